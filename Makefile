@@ -1,0 +1,31 @@
+# WhaleZen: two commands. `make run` sets up and starts the service; `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+HOST ?= 127.0.0.1
+
+.PHONY: run test setup migrate seed worker bench clean
+
+$(VENV)/.installed-dev: requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+setup: $(VENV)/.installed-dev
+
+migrate: setup
+	$(PY) manage.py migrate --noinput
+
+seed: migrate
+	$(PY) manage.py seed_demo
+
+run: seed
+	$(PY) manage.py runserver $(HOST):$(PORT) --noreload
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf var .pytest_cache
