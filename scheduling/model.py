@@ -214,6 +214,15 @@ class PolicyWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkloadClass:
+    """One kind of task in the expected workload, for the fragmentation (FGD) measure."""
+
+    gpus: int
+    gpu_milli: int = WHOLE_GPU_MILLI
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     now: float
     nodes: tuple[NodeState, ...] = ()
@@ -225,6 +234,8 @@ class Snapshot:
     throughputs: Throughputs = field(default_factory=Throughputs)
     weights: PolicyWeights = field(default_factory=PolicyWeights)
     seed: int = 0
+    # Expected task mix for the fragmentation term; empty = the pending jobs themselves.
+    workload: tuple[WorkloadClass, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------ plan
