@@ -220,6 +220,9 @@ class WorkloadClass:
     gpus: int
     gpu_milli: int = WHOLE_GPU_MILLI
     weight: float = 1.0
+    cpu_milli: int = 0
+    memory_mb: int = 0
+    gpu_models: tuple[str, ...] = ()  # empty = any model
 
 
 @dataclass(frozen=True, slots=True)
