@@ -1,0 +1,49 @@
+"""The boot script a cloud node runs (AWS user-data, GCP startup-script): install the node
+agent and keep it running under systemd, so it survives reboots and agent crashes."""
+from __future__ import annotations
+
+DEFAULT_AGENT_INSTALL = "python3 -m pip install --quiet whalezen-agent"
+
+
+def agent_boot_script(
+    *,
+    server_url: str,
+    join_token: str,
+    node_name: str,
+    install_command: str = DEFAULT_AGENT_INSTALL,
+    python: str = "python3",
+) -> str:
+    """A bash script that installs the agent and starts `python -m agent --server URL
+    --join-token TOKEN --name NAME` as a systemd service. The join token only lets a node
+    register once (the agent then gets its own node token); it is written to a root-only env
+    file, not the unit, so `systemctl show` does not print it."""
+    for label, value in (("server_url", server_url), ("join_token", join_token), ("node_name", node_name)):
+        # Values go into an env file verbatim: a newline or quote would let them inject lines.
+        if not value or any(c in value for c in "\n\r\"'`$\\"):
+            raise ValueError(f"{label} is empty or contains characters not allowed in a boot script")
+    return f"""#!/bin/bash
+set -euo pipefail
+{install_command}
+install -d -m 0700 /etc/whalezen
+umask 077
+cat > /etc/whalezen/agent.env <<'WZEOF'
+WHALEZEN_SERVER={server_url}
+WHALEZEN_JOIN_TOKEN={join_token}
+WHALEZEN_NODE_NAME={node_name}
+WZEOF
+cat > /etc/systemd/system/whalezen-agent.service <<'WZEOF'
+[Unit]
+Description=WhaleZen node agent
+After=network-online.target
+Wants=network-online.target
+[Service]
+EnvironmentFile=/etc/whalezen/agent.env
+ExecStart=/bin/sh -c 'exec {python} -m agent --server "$WHALEZEN_SERVER" --join-token "$WHALEZEN_JOIN_TOKEN" --name "$WHALEZEN_NODE_NAME"'
+Restart=always
+RestartSec=5
+[Install]
+WantedBy=multi-user.target
+WZEOF
+systemctl daemon-reload
+systemctl enable --now whalezen-agent.service
+"""
