@@ -1,0 +1,1 @@
+"""WhaleZen benchmarks: `python -m bench.fragmentation`, `bench.scale`, `bench.cost` (see README)."""
