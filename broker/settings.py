@@ -120,6 +120,8 @@ STORAGES = {
 }
 # Serve static files from the app directories without collectstatic in development.
 WHITENOISE_USE_FINDERS = not PRODUCTION
+if not PRODUCTION:
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -130,6 +132,8 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": [
         "broker.api.parsers.BoundedJSONParser",
         "broker.api.parsers.BoundedYAMLParser",
+        "broker.api.parsers.YAMLAliasParser",
+        "broker.api.parsers.TextYAMLParser",
     ],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PAGINATION_CLASS": "broker.api.pagination.StandardPagination",

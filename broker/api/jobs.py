@@ -1,0 +1,136 @@
+"""/api/v1/jobs/: submit, list, show, events, cancel."""
+from __future__ import annotations
+
+import django_filters
+from drf_spectacular.utils import OpenApiExample, extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from broker.api.base import TenantScopedMixin
+from broker.api.throttles import JobSubmitThrottle
+from broker.jobs import selectors, services
+from broker.jobs.models import Job, JobEvent
+from broker.jobs.spec import JobSpecSerializer
+from broker.jobs.states import JobState
+
+
+class AllocationOutSerializer(serializers.Serializer):
+    node = serializers.CharField(source="node.name")
+    gpus = serializers.SerializerMethodField()
+    epoch = serializers.IntegerField()
+
+    def get_gpus(self, alloc) -> list[int]:
+        return sorted({s.gpu.index for s in alloc.slices.all() if s.active})
+
+
+class PendingReasonSerializer(serializers.Serializer):
+    code = serializers.CharField(source="pending_reason_code")
+    message = serializers.CharField(source="pending_reason")
+    data = serializers.JSONField(source="pending_reason_data")
+
+
+class JobSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+    demand = serializers.SerializerMethodField()
+    pending_reason = serializers.SerializerMethodField()
+    allocations = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Job
+        fields = ["id", "name", "state", "priority", "preemptible", "owner", "spec", "demand",
+                  "pending_reason", "allocations", "created_at", "updated_at", "started_at", "finished_at"]
+        read_only_fields = fields
+
+    def get_demand(self, job: Job) -> dict:
+        return {
+            "gpus_per_node": job.gpu_count, "nodes": job.node_count, "total_gpus": job.gpu_count * job.node_count,
+            "gpu_milli": job.gpu_milli,
+            "compute_units": float(job.compute_units) if job.compute_units is not None else None,
+            "gpu_models": job.gpu_models, "min_gpu_memory_gb": job.min_gpu_memory_gb,
+            "interconnect": job.interconnect, "cpu_milli": job.cpu_milli, "memory_mb": job.memory_mb,
+            "spot": job.spot,
+            "max_price_per_hour": float(job.max_price_per_hour) if job.max_price_per_hour is not None else None,
+            "expected_duration_hours": job.expected_duration_hours,
+        }
+
+    def get_pending_reason(self, job: Job) -> dict | None:
+        if job.state != JobState.PENDING:
+            return None
+        return PendingReasonSerializer(job).data
+
+    def get_allocations(self, job: Job) -> list[dict]:
+        active = [a for a in job.allocations.all() if a.active]
+        return AllocationOutSerializer(active, many=True).data
+
+
+class JobEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = JobEvent
+        fields = ["id", "created_at", "kind", "reason_code", "message", "data"]
+
+
+class JobFilter(django_filters.FilterSet):
+    state = django_filters.MultipleChoiceFilter(choices=JobState.choices)
+    name = django_filters.CharFilter(lookup_expr="icontains")
+    priority = django_filters.NumberFilter()
+    priority_min = django_filters.NumberFilter(field_name="priority", lookup_expr="gte")
+    priority_max = django_filters.NumberFilter(field_name="priority", lookup_expr="lte")
+    created_after = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+
+    class Meta:
+        model = Job
+        fields = ["state", "name", "priority"]
+
+
+EXAMPLE_SPEC = {
+    "name": "llama-finetune",
+    "command": ["python", "train.py", "--epochs", "3"],
+    "image": "ghcr.io/acme/trainer:1.4",
+    "priority": "high",
+    "preemptible": True,
+    "expected_duration_hours": 6,
+    "resources": {"gpus": 4, "gpu_models": ["A100-80GB", "H100-80GB"], "interconnect": "nvlink",
+                  "cpu": 32, "memory_gb": 256},
+    "placement": {"providers": ["onprem", "aws"], "spot": "allowed", "max_price_per_hour": 30},
+    "checkpoint": {"uri": "s3://acme-ckpt/llama", "interval_minutes": 30},
+}
+
+
+class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                 viewsets.GenericViewSet):
+    queryset = Job.objects.select_related("owner").prefetch_related("allocations__slices__gpu",
+                                                                     "allocations__node")
+    serializer_class = JobSerializer
+    filterset_class = JobFilter
+
+    def get_throttles(self):
+        if self.action == "create":
+            return [JobSubmitThrottle()]
+        return super().get_throttles()
+
+    @extend_schema(request=JobSpecSerializer, responses={201: JobSerializer},
+                   examples=[OpenApiExample("4 x A100 on NVLink", value=EXAMPLE_SPEC, request_only=True)],
+                   description="Submit a job spec (JSON, or YAML with Content-Type: application/yaml).")
+    def create(self, request: Request, *args, **kwargs) -> Response:
+        spec = JobSpecSerializer(data=request.data, context={"gpu_catalog": selectors.gpu_catalog()})
+        spec.is_valid(raise_exception=True)
+        job = services.job_submit(tenant=self.ctx.tenant, owner=request.user, validated=spec.validated_data)
+        job = self.get_queryset().get(pk=job.pk)
+        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={200: JobEventSerializer(many=True)})
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str | None = None) -> Response:
+        job = self.get_object()
+        page = self.paginate_queryset(JobEvent.objects.filter(job=job).order_by("created_at", "id"))
+        return self.get_paginated_response(JobEventSerializer(page, many=True).data)
+
+    @extend_schema(request=None, responses={200: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        job = self.get_object()
+        services.job_cancel(job=job, by=request.user)
+        return Response(JobSerializer(self.get_queryset().get(pk=job.pk)).data)

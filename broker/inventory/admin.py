@@ -1,0 +1,46 @@
+from django.contrib import admin, messages
+
+from broker.inventory.models import CloudInstance, Gpu, GpuModel, Node, Pool
+from broker.inventory.services import pool_join_token_issue
+
+
+@admin.register(GpuModel)
+class GpuModelAdmin(admin.ModelAdmin):
+    list_display = ["name", "vendor", "memory_gb", "compute_units", "peak_dense_tflops", "nvlink"]
+    search_fields = ["name"]
+
+
+@admin.register(Pool)
+class PoolAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "kind", "region", "gpu_hour_rate_usd", "enabled", "join_token_prefix"]
+    list_filter = ["kind", "tenant"]
+    exclude = ["join_token_hash"]
+    readonly_fields = ["join_token_prefix"]
+    actions = ["issue_join_token"]
+
+    @admin.action(description="Issue a new agent join token (shown once)")
+    def issue_join_token(self, request, queryset):
+        for pool in queryset:
+            token = pool_join_token_issue(pool=pool)
+            self.message_user(request, f"Join token for {pool}: {token}", messages.WARNING)
+
+
+class GpuInline(admin.TabularInline):
+    model = Gpu
+    extra = 0
+    fields = ["index", "model_name", "memory_mb", "nvlink_island", "numa_node", "health", "utilization_pct",
+              "memory_used_mb"]
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = ["name", "pool", "tenant", "state", "last_heartbeat_at"]
+    list_filter = ["state", "pool__kind", "tenant"]
+    exclude = ["token_hash"]
+    inlines = [GpuInline]
+
+
+@admin.register(CloudInstance)
+class CloudInstanceAdmin(admin.ModelAdmin):
+    list_display = ["request_key", "provider_id", "instance_type", "zone", "spot", "state", "hourly_price_usd"]
+    list_filter = ["state", "spot"]

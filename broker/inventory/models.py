@@ -1,0 +1,169 @@
+"""What there is to run on: GPU models, pools of nodes, nodes, their GPUs, cloud instances."""
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.core.validators import MinValueValidator
+from django.db import models
+
+from broker.tenancy.models import Tenant
+
+
+class GpuModel(models.Model):
+    """A GPU product. Global (not per tenant): the broker's catalogue of what it can schedule."""
+
+    name = models.CharField(max_length=64, unique=True, help_text="Canonical name, e.g. A100-80GB")
+    vendor = models.CharField(max_length=32, default="NVIDIA")
+    aliases = models.JSONField(default=list, blank=True, help_text="Other spellings users may write")
+    memory_gb = models.PositiveIntegerField()
+    compute_units = models.DecimalField(
+        max_digits=8, decimal_places=3, validators=[MinValueValidator(0)],
+        help_text="Dense BF16/FP16 tensor throughput relative to an A100 (A100 = 1.0)",
+    )
+    peak_dense_tflops = models.DecimalField(max_digits=8, decimal_places=1, default=Decimal("0"))
+    nvlink = models.BooleanField(default=False)
+    mig_profiles = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PoolKind(models.TextChoices):
+    ONPREM = "onprem", "On-prem"
+    AWS = "aws", "AWS"
+    GCP = "gcp", "GCP"
+    LOCAL = "local", "Local simulator"
+
+
+class Pool(models.Model):
+    """A set of nodes owned by one tenant: an on-prem cluster, a cloud account+region, the simulator."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="pools")
+    name = models.CharField(max_length=100)
+    kind = models.CharField(max_length=16, choices=PoolKind.choices)
+    region = models.CharField(max_length=64, blank=True)
+    credentials_ref = models.CharField(
+        max_length=200, blank=True, help_text="Name of a secret holding cloud credentials; never the secret"
+    )
+    gpu_hour_rate_usd = models.DecimalField(
+        max_digits=10, decimal_places=4, default=Decimal("0"), validators=[MinValueValidator(0)],
+        help_text="Internal $/GPU-hour charged for on-prem capacity",
+    )
+    join_token_prefix = models.CharField(max_length=16, blank=True)
+    join_token_hash = models.CharField(max_length=64, blank=True)
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_pool_name")]
+        ordering = ["tenant_id", "name"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant}/{self.name}"
+
+
+class NodeState(models.TextChoices):
+    ONLINE = "ONLINE", "Online"
+    DRAINING = "DRAINING", "Draining"
+    LOST = "LOST", "Lost"
+    OFFLINE = "OFFLINE", "Offline"
+
+
+class Node(models.Model):
+    """A machine with GPUs. The tenant is copied from the pool so every query can filter on it."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="nodes")
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="nodes")
+    name = models.CharField(max_length=200)
+    hostname = models.CharField(max_length=255, blank=True)
+    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.ONLINE)
+    cpu_milli = models.PositiveIntegerField(default=0)
+    memory_mb = models.PositiveIntegerField(default=0)
+    labels = models.JSONField(default=dict, blank=True)
+    token_prefix = models.CharField(max_length=16, blank=True)
+    token_hash = models.CharField(max_length=64, blank=True)
+    epoch = models.PositiveIntegerField(default=0, help_text="Bumped on every assignment change")
+    agent_version = models.CharField(max_length=32, blank=True)
+    topology = models.JSONField(default=dict, blank=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["pool", "name"], name="uniq_node_name_in_pool")]
+        ordering = ["pool_id", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class GpuHealth(models.TextChoices):
+    HEALTHY = "HEALTHY", "Healthy"
+    DEGRADED = "DEGRADED", "Degraded"
+    FAILED = "FAILED", "Failed"
+
+
+class Gpu(models.Model):
+    """One GPU of a node, with its place in the topology and its latest telemetry."""
+
+    # Number of allocation slots a GPU is cut into: a whole-GPU job holds all of them,
+    # a `gpu_fraction` job holds ceil(fraction * SLOTS). The database refuses a slot held twice.
+    SLOTS = 10
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=64, blank=True)
+    model = models.ForeignKey(GpuModel, on_delete=models.PROTECT, null=True, blank=True, related_name="gpus")
+    model_name = models.CharField(max_length=64, help_text="Name as reported by the driver")
+    memory_mb = models.PositiveIntegerField()
+    nvlink_island = models.SmallIntegerField(null=True, blank=True)
+    numa_node = models.SmallIntegerField(null=True, blank=True)
+    pci_bus_id = models.CharField(max_length=32, blank=True)
+    mig_mode = models.BooleanField(default=False)
+    health = models.CharField(max_length=16, choices=GpuHealth.choices, default=GpuHealth.HEALTHY)
+    utilization_pct = models.PositiveSmallIntegerField(null=True, blank=True)
+    memory_used_mb = models.PositiveIntegerField(null=True, blank=True)
+    temperature_c = models.SmallIntegerField(null=True, blank=True)
+    power_w = models.FloatField(null=True, blank=True)
+    ecc_errors = models.PositiveIntegerField(default=0)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="uniq_gpu_index")]
+        ordering = ["node_id", "index"]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}/gpu{self.index}"
+
+
+class InstanceState(models.TextChoices):
+    REQUESTED = "REQUESTED", "Requested"
+    PENDING = "PENDING", "Pending"
+    RUNNING = "RUNNING", "Running"
+    TERMINATING = "TERMINATING", "Terminating"
+    TERMINATED = "TERMINATED", "Terminated"
+    FAILED = "FAILED", "Failed"
+
+
+class CloudInstance(models.Model):
+    """A cloud VM we asked for. Recorded before the cloud call, so a crash cannot leak it."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="cloud_instances")
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="cloud_instances")
+    node = models.OneToOneField(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="instance")
+    request_key = models.CharField(max_length=64, unique=True, help_text="Idempotency key sent to the cloud")
+    provider_id = models.CharField(max_length=128, blank=True)
+    offer = models.JSONField(default=dict, help_text="The catalog offer it was launched from")
+    instance_type = models.CharField(max_length=64)
+    zone = models.CharField(max_length=64, blank=True)
+    spot = models.BooleanField(default=False)
+    state = models.CharField(max_length=16, choices=InstanceState.choices, default=InstanceState.REQUESTED)
+    tags = models.JSONField(default=dict, blank=True)
+    hourly_price_usd = models.DecimalField(max_digits=10, decimal_places=4, default=Decimal("0"))
+    created_at = models.DateTimeField(auto_now_add=True)
+    terminated_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.instance_type} {self.provider_id or self.request_key}"

@@ -1,0 +1,140 @@
+"""Jobs, their event log, the GPUs they hold, and their checkpoints."""
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from broker.inventory.models import Gpu, Node
+from broker.jobs.states import JobState
+from broker.tenancy.models import Tenant
+
+
+class Interconnect(models.TextChoices):
+    ANY = "any", "Any"
+    PCIE = "pcie", "PCIe (same node)"
+    NVLINK = "nvlink", "NVLink island"
+
+
+class SpotPolicy(models.TextChoices):
+    NEVER = "never", "Never"
+    ALLOWED = "allowed", "Allowed"
+    REQUIRED = "required", "Required"
+
+
+class Job(models.Model):
+    """A GPU job. `spec` is what the user sent (normalised); the demand columns are what the scheduler reads."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    name = models.CharField(max_length=200)
+    spec = models.JSONField()
+    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.PENDING)
+    priority = models.IntegerField(default=50)
+    preemptible = models.BooleanField(default=False)
+
+    # Normalised demand.
+    gpu_count = models.PositiveIntegerField(default=0, help_text="GPUs per node")
+    gpu_milli = models.PositiveIntegerField(default=1000, help_text="Share of each GPU, 1000 = whole")
+    compute_units = models.DecimalField(max_digits=10, decimal_places=3, null=True, blank=True)
+    gpu_models = models.JSONField(default=list, blank=True)
+    min_gpu_memory_gb = models.PositiveIntegerField(default=0)
+    interconnect = models.CharField(max_length=8, choices=Interconnect.choices, default=Interconnect.ANY)
+    node_count = models.PositiveIntegerField(default=1)
+    cpu_milli = models.PositiveIntegerField(default=0)
+    memory_mb = models.PositiveIntegerField(default=0)
+    spot = models.CharField(max_length=8, choices=SpotPolicy.choices, default=SpotPolicy.NEVER)
+    max_price_per_hour = models.DecimalField(max_digits=10, decimal_places=4, null=True, blank=True)
+    expected_duration_hours = models.FloatField(null=True, blank=True)
+    deadline = models.DateTimeField(null=True, blank=True)
+
+    # Why a pending job waits (set by the scheduler).
+    pending_reason_code = models.CharField(max_length=48, blank=True)
+    pending_reason = models.TextField(blank=True)
+    pending_reason_data = models.JSONField(default=dict, blank=True)
+
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "state"]),
+            models.Index(fields=["state", "priority"]),
+        ]
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} {self.name} ({self.state})"
+
+
+class JobEvent(models.Model):
+    """Append-only log of what happened to a job."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    kind = models.CharField(max_length=32)
+    reason_code = models.CharField(max_length=48, blank=True)
+    message = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.reason_code}"
+
+
+class Allocation(models.Model):
+    """The GPUs (or GPU slices) one job holds on one node. A gang job has one allocation per node."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="allocations")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="allocations")
+    active = models.BooleanField(default=True)
+    epoch = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["node", "active"])]
+
+    def __str__(self) -> str:
+        return f"alloc {self.pk} job {self.job_id} on {self.node_id}"
+
+
+class AllocationSlice(models.Model):
+    """One slot of one GPU held by an allocation. The partial unique constraint makes double-booking impossible."""
+
+    allocation = models.ForeignKey(Allocation, on_delete=models.CASCADE, related_name="slices")
+    gpu = models.ForeignKey(Gpu, on_delete=models.PROTECT, related_name="slices")
+    slot = models.PositiveSmallIntegerField()
+    active = models.BooleanField(default=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["gpu", "slot"], condition=Q(active=True), name="one_active_holder_per_gpu_slot"
+            ),
+        ]
+
+
+class CheckpointState(models.TextChoices):
+    PENDING = "PENDING", "Being written"
+    COMMITTED = "COMMITTED", "Committed"
+    INVALID = "INVALID", "Invalid"
+    DELETED = "DELETED", "Deleted"
+
+
+class Checkpoint(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    uri = models.CharField(max_length=1024)
+    step = models.BigIntegerField(default=0)
+    manifest = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=16, choices=CheckpointState.choices, default=CheckpointState.PENDING)
+    created_at = models.DateTimeField(auto_now_add=True)
+    committed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]

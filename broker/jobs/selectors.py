@@ -1,0 +1,35 @@
+"""Reads for jobs and the GPU catalogue."""
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+from django.db.models import QuerySet, Sum
+
+from broker.inventory.models import GpuModel
+from broker.jobs.models import AllocationSlice, Job
+from broker.jobs.spec import GpuCatalog
+from broker.jobs.states import ACTIVE_STATES, JobState
+from broker.tenancy.models import Tenant
+
+
+def gpu_catalog() -> GpuCatalog:
+    return GpuCatalog([(m.name, m.memory_gb, list(m.aliases or [])) for m in GpuModel.objects.all()])
+
+
+def jobs_for_tenant(*, tenant: Tenant) -> QuerySet[Job]:
+    return Job.objects.filter(tenant=tenant).select_related("owner")
+
+
+def tenant_gpu_usage(*, tenant: Tenant) -> dict[str, Any]:
+    """GPUs held now (whole GPUs touched by an active allocation) and pending job count."""
+    gpus = (AllocationSlice.objects.filter(active=True, allocation__job__tenant=tenant)
+            .values("gpu").distinct().count())
+    cu = (Job.objects.filter(tenant=tenant, state__in=ACTIVE_STATES).aggregate(total=Sum("compute_units"))["total"]
+          or Decimal("0"))
+    return {
+        "gpus_in_use": gpus,
+        "compute_units_in_use": float(cu),
+        "pending_jobs": Job.objects.filter(tenant=tenant, state=JobState.PENDING).count(),
+        "running_jobs": Job.objects.filter(tenant=tenant, state=JobState.RUNNING).count(),
+    }

@@ -1,0 +1,254 @@
+"""Writes for jobs: submit, state changes (compare-and-set), cancel, allocate and release GPUs.
+
+Every state change goes through `job_transition`, which refuses illegal edges, changes the row only if
+it is still in the state the caller saw, and appends a JobEvent in the same transaction.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
+from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
+from broker.jobs.spec import Demand, spec_to_json
+from broker.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, is_legal
+from broker.tenancy.models import Quota, Tenant
+
+
+class JobError(Exception):
+    """A refused job operation. `field` names what was wrong, for a 400 body."""
+
+    def __init__(self, message: str, *, field: str = "non_field_errors", code: str = "invalid"):
+        super().__init__(message)
+        self.field = field
+        self.code = code
+
+
+class IllegalTransition(JobError):
+    def __init__(self, old: str, new: str):
+        super().__init__(f"A job cannot go from {old} to {new}.", field="state", code="illegal_transition")
+        self.old, self.new = old, new
+
+
+class StaleState(JobError):
+    """The row changed under us: someone else won the race."""
+
+    def __init__(self, expected: str, actual: str):
+        super().__init__(f"The job is {actual}, not {expected} any more.", field="state", code="conflict")
+        self.expected, self.actual = expected, actual
+
+
+class DoubleBooking(JobError):
+    def __init__(self, message: str = "One of these GPUs is already allocated."):
+        super().__init__(message, field="gpus", code="double_booking")
+
+
+def event_append(*, job: Job, kind: str, message: str = "", reason_code: str = "",
+                 data: dict[str, Any] | None = None) -> JobEvent:
+    return JobEvent.objects.create(job=job, kind=kind, message=message, reason_code=reason_code, data=data or {})
+
+
+def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, Any]) -> Job:
+    """Create a PENDING job from a validated spec (see `JobSpecSerializer`), all or nothing."""
+    demand: Demand = validated["_demand"]
+    quota = Quota.objects.filter(tenant=tenant).first()
+    if quota is not None:
+        if quota.max_gpus and demand.total_gpus > quota.max_gpus:
+            raise JobError(
+                f"The job asks for {demand.total_gpus} GPUs; your tenant's quota allows {quota.max_gpus} at once.",
+                field="resources",
+            )
+        if quota.max_compute_units and demand.compute_units and Decimal(str(demand.compute_units)) > quota.max_compute_units:
+            raise JobError(
+                f"The job asks for {demand.compute_units} compute units; your quota allows {quota.max_compute_units}.",
+                field="resources",
+            )
+    priority = validated.get("priority", 50)
+    with transaction.atomic():
+        if quota is not None:
+            pending = Job.objects.filter(tenant=tenant, state=JobState.PENDING).count()
+            if pending >= quota.max_pending_jobs:
+                raise JobError(
+                    f"Your tenant already has {pending} pending jobs (limit {quota.max_pending_jobs}).",
+                    field="non_field_errors", code="throttled",
+                )
+        job = Job.objects.create(
+            tenant=tenant,
+            owner=owner,
+            name=validated["name"],
+            spec=spec_to_json(validated),
+            priority=priority,
+            preemptible=validated.get("preemptible", False),
+            gpu_count=demand.gpus_per_node,
+            gpu_milli=demand.gpu_milli,
+            compute_units=Decimal(str(demand.compute_units)) if demand.compute_units is not None else None,
+            gpu_models=demand.gpu_models,
+            min_gpu_memory_gb=demand.min_gpu_memory_gb,
+            interconnect=demand.interconnect,
+            node_count=demand.nodes,
+            cpu_milli=demand.cpu_milli,
+            memory_mb=demand.memory_mb,
+            spot=demand.spot,
+            max_price_per_hour=(Decimal(str(demand.max_price_per_hour))
+                                if demand.max_price_per_hour is not None else None),
+            expected_duration_hours=validated.get("expected_duration_hours"),
+            deadline=validated.get("deadline"),
+            pending_reason_code="NOT_YET_SCHEDULED",
+            pending_reason="Waiting for the next scheduling cycle.",
+            next_attempt_at=timezone.now(),
+        )
+        event_append(job=job, kind="submitted", message=f"Submitted by {owner}.",
+                     data={"demand": demand.as_dict()})
+    return job
+
+
+def job_transition(*, job: Job, to: str, expected: str | None = None, reason_code: str = "",
+                   message: str = "", data: dict[str, Any] | None = None) -> Job:
+    """Move `job` from `expected` (default: its state as loaded) to `to`, or raise.
+
+    Compare-and-set: the UPDATE only matches while the row is still in `expected`, so of two
+    concurrent callers exactly one wins and the other gets StaleState.
+    """
+    old = expected or job.state
+    if not is_legal(old, to):
+        raise IllegalTransition(old, to)
+    now = timezone.now()
+    changes: dict[str, Any] = {"state": to, "updated_at": now}
+    if to == JobState.RUNNING:
+        changes["started_at"] = now
+    if to in TERMINAL_STATES:
+        changes["finished_at"] = now
+    if to != JobState.PENDING:
+        changes.update(pending_reason_code="", pending_reason="", pending_reason_data={})
+    else:
+        changes["next_attempt_at"] = now
+    with transaction.atomic():
+        updated = Job.objects.filter(pk=job.pk, state=old).update(**changes)
+        if updated != 1:
+            actual = Job.objects.filter(pk=job.pk).values_list("state", flat=True).first() or "deleted"
+            raise StaleState(old, actual)
+        if to in TERMINAL_STATES or to in (JobState.PENDING, JobState.PREEMPTED):
+            _release_allocations(job=job)
+        event_append(job=job, kind="state", reason_code=reason_code,
+                     message=message or f"{old} → {to}", data={"from": old, "to": to, **(data or {})})
+    job.refresh_from_db()
+    return job
+
+
+def job_cancel(*, job: Job, by: AbstractBaseUser | None = None) -> Job:
+    """Cancel from any live state. Cancelling a finished job is refused; a race retries on the new state."""
+    for _ in range(5):
+        if job.state in TERMINAL_STATES:
+            raise IllegalTransition(job.state, JobState.CANCELLED)
+        try:
+            return job_transition(job=job, to=JobState.CANCELLED, reason_code="USER_CANCELLED",
+                                  message=f"Cancelled by {by}." if by else "Cancelled.")
+        except StaleState:
+            job.refresh_from_db()
+    raise JobError("The job kept changing state; try again.", code="conflict")
+
+
+def job_set_pending_reason(*, job: Job, code: str, message: str, data: dict[str, Any] | None = None) -> None:
+    """Record why a pending job waits; logs an event only when the reason code changes."""
+    with transaction.atomic():
+        changed = (Job.objects.filter(pk=job.pk, state=JobState.PENDING)
+                   .exclude(pending_reason_code=code).exists())
+        Job.objects.filter(pk=job.pk, state=JobState.PENDING).update(
+            pending_reason_code=code, pending_reason=message, pending_reason_data=data or {})
+        if changed:
+            event_append(job=job, kind="pending_reason", reason_code=code, message=message, data=data or {})
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """GPUs wanted on one node: GPU indices and the share of each (1000 = whole GPU)."""
+
+    node: Node
+    gpu_indices: tuple[int, ...]
+    milli: int = 1000
+
+
+def _slots_for(milli: int) -> int:
+    return min(Gpu.SLOTS, max(1, math.ceil(milli * Gpu.SLOTS / 1000)))
+
+
+def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: str = JobState.PENDING) -> list[Allocation]:
+    """Give `job` the requested GPUs and move it to PLACED, or change nothing.
+
+    Locks the nodes in id order (a fixed order, so two commits cannot deadlock), checks health and the
+    tenant's GPU quota, then inserts slot rows; the partial unique index refuses any slot already held,
+    so a GPU can never be booked twice even by two transactions that both passed the checks.
+    """
+    if not requests:
+        raise JobError("Nothing to allocate.", field="gpus")
+    try:
+        with transaction.atomic():
+            node_ids = sorted({r.node.pk for r in requests})
+            nodes = {n.pk: n for n in Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk")}
+            Tenant.objects.select_for_update().filter(pk=job.tenant_id).first()  # serialises quota checks
+            for node_id, node in nodes.items():
+                if node.tenant_id != job.tenant_id:
+                    raise JobError("A node of another tenant cannot be allocated.", field="node")
+                if node.state != NodeState.ONLINE:
+                    raise JobError(f"Node {node.name} is {node.state}.", field="node")
+            _check_gpu_quota(job=job, adding=sum(len(r.gpu_indices) for r in requests if r.milli >= 1000))
+            allocations = []
+            for req in requests:
+                gpus = list(Gpu.objects.filter(node_id=req.node.pk, index__in=req.gpu_indices))
+                if len(gpus) != len(set(req.gpu_indices)):
+                    raise JobError(f"Node {req.node.name} has no GPU index among {list(req.gpu_indices)}.",
+                                   field="gpus")
+                if any(g.health == GpuHealth.FAILED for g in gpus):
+                    raise JobError(f"A requested GPU on {req.node.name} has failed.", field="gpus")
+                node = nodes[req.node.pk]
+                Node.objects.filter(pk=node.pk).update(epoch=F("epoch") + 1)
+                alloc = Allocation.objects.create(job=job, node=node, epoch=node.epoch + 1)
+                slot_count = _slots_for(req.milli)
+                slices = []
+                for gpu in gpus:
+                    taken = set(AllocationSlice.objects.filter(gpu=gpu, active=True).values_list("slot", flat=True))
+                    free = [s for s in range(Gpu.SLOTS) if s not in taken]
+                    if len(free) < slot_count:
+                        raise DoubleBooking(f"GPU {gpu.index} on {node.name} does not have the share requested free.")
+                    slices += [AllocationSlice(allocation=alloc, gpu=gpu, slot=s) for s in free[:slot_count]]
+                AllocationSlice.objects.bulk_create(slices)
+                allocations.append(alloc)
+            job_transition(job=job, to=JobState.PLACED, expected=expected_state, reason_code="PLACED",
+                           message="Placed on " + ", ".join(
+                               f"{r.node.name}[{','.join(map(str, r.gpu_indices))}]" for r in requests),
+                           data={"placements": [{"node": r.node.name, "gpus": list(r.gpu_indices),
+                                                 "milli": r.milli} for r in requests]})
+            return allocations
+    except IntegrityError as exc:
+        raise DoubleBooking() from exc
+
+
+def _check_gpu_quota(*, job: Job, adding: int) -> None:
+    quota = Quota.objects.filter(tenant_id=job.tenant_id).first()
+    if quota is None or not quota.max_gpus:
+        return
+    in_use = (AllocationSlice.objects.filter(active=True, allocation__job__tenant_id=job.tenant_id,
+                                             allocation__job__state__in=ACTIVE_STATES)
+              .values("gpu").distinct().count())
+    if in_use + adding > quota.max_gpus:
+        raise JobError(f"GPU quota exceeded: {in_use} in use + {adding} > {quota.max_gpus}.",
+                       field="resources", code="quota")
+
+
+def _release_allocations(*, job: Job) -> int:
+    now = timezone.now()
+    alloc_ids = list(Allocation.objects.filter(job=job, active=True).values_list("pk", flat=True))
+    if not alloc_ids:
+        return 0
+    AllocationSlice.objects.filter(allocation_id__in=alloc_ids, active=True).update(active=False)
+    Allocation.objects.filter(pk__in=alloc_ids).update(active=False, released_at=now)
+    node_ids = Allocation.objects.filter(pk__in=alloc_ids).values_list("node_id", flat=True)
+    Node.objects.filter(pk__in=list(node_ids)).update(epoch=F("epoch") + 1)
+    return len(alloc_ids)

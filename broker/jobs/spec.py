@@ -1,0 +1,386 @@
+"""The job spec users write, its validation, and its normalised demand.
+
+Accepts the native form (`resources.gpus` / `gpu_models` / `gpu_fraction` / `compute_units`) and the
+two spellings users already know: SkyPilot's `accelerators: "A100-80GB:4"` and Kubernetes'
+`limits: {"nvidia.com/gpu": 2, "cpu": "8", "memory": "32Gi"}`. Every error names its field.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from decimal import Decimal
+from typing import Any
+
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from broker.api.fields import (
+    StrictBooleanField,
+    StrictCharField,
+    StrictFloatField,
+    StrictIntegerField,
+    StrictSerializer,
+)
+
+PRIORITY_NAMES: dict[str, int] = {"low": 10, "normal": 50, "high": 100, "critical": 1000}
+MAX_PRIORITY = 1000
+MAX_GPUS_PER_NODE = 64
+MAX_NODES = 256
+PROVIDERS = ("onprem", "aws", "gcp", "local")
+RESERVED_ENV_PREFIX = "WHALEZEN_"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+K8S_GPU_KEY = "nvidia.com/gpu"
+_K8S_CPU_RE = re.compile(r"^(\d+(?:\.\d+)?)(m?)$")
+_K8S_MEM_RE = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+_K8S_MEM_MB = {None: 1 / 2**20, "Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 2**20,
+               "K": 1e3 / 2**20, "M": 1e6 / 2**20, "G": 1e9 / 2**20, "T": 1e12 / 2**20}
+
+
+@dataclass(frozen=True)
+class GpuModelRef:
+    name: str
+    memory_gb: int
+
+
+class GpuCatalog:
+    """Known GPU models by every accepted spelling (case-insensitive)."""
+
+    def __init__(self, models: list[tuple[str, int, list[str]]]):
+        self._by_spelling: dict[str, GpuModelRef] = {}
+        for name, memory_gb, aliases in models:
+            ref = GpuModelRef(name=name, memory_gb=memory_gb)
+            for spelling in [name, *aliases]:
+                self._by_spelling.setdefault(spelling.lower(), ref)
+        self.names = sorted({ref.name for ref in self._by_spelling.values()})
+
+    def resolve(self, spelling: str) -> GpuModelRef | None:
+        return self._by_spelling.get(spelling.strip().lower())
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What the scheduler reads. GPU counts are per node; `gpu_milli` is the share of each GPU."""
+
+    gpus_per_node: int
+    nodes: int
+    total_gpus: int
+    gpu_milli: int
+    compute_units: float | None
+    gpu_models: list[str]
+    min_gpu_memory_gb: int
+    interconnect: str
+    cpu_milli: int
+    memory_mb: int
+    spot: str
+    max_price_per_hour: float | None
+    providers: list[str]
+    regions: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@extend_schema_field({"oneOf": [{"type": "string", "enum": list(PRIORITY_NAMES)},
+                             {"type": "integer", "minimum": 0, "maximum": MAX_PRIORITY}]})
+class PriorityField(serializers.Field):
+    default_error_messages = {
+        "invalid": "Must be one of low, normal, high, critical or an integer from 0 to 1000."
+    }
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, str) and data.lower() in PRIORITY_NAMES:
+            return PRIORITY_NAMES[data.lower()]
+        if isinstance(data, int) and not isinstance(data, bool) and 0 <= data <= MAX_PRIORITY:
+            return data
+        self.fail("invalid")
+
+    def to_representation(self, value: int) -> int:
+        return value
+
+
+class StringListField(serializers.ListField):
+    def __init__(self, **kwargs: Any):
+        kwargs.setdefault("child", StrictCharField(min_length=1, max_length=200))
+        super().__init__(**kwargs)
+
+
+@extend_schema_field({"oneOf": [{"type": "string", "example": "A100-80GB:4"},
+                             {"type": "object", "additionalProperties": {"type": "integer"}}]})
+class AcceleratorsField(serializers.Field):
+    """SkyPilot's spelling: `"A100-80GB:4"`, `"T4"` (one GPU), or `{"A100-80GB": 4}`."""
+
+    default_error_messages = {"invalid": 'Must look like "MODEL" or "MODEL:COUNT", e.g. "A100-80GB:4".'}
+
+    def to_internal_value(self, data: Any) -> tuple[str, int]:
+        if isinstance(data, dict) and len(data) == 1:
+            ((model, count),) = data.items()
+        elif isinstance(data, str):
+            model, _, count_text = data.partition(":")
+            if count_text and not count_text.strip().isdigit():
+                self.fail("invalid")
+            count = int(count_text) if count_text else 1
+        else:
+            self.fail("invalid")
+        if not isinstance(model, str) or not model.strip():
+            self.fail("invalid")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_GPUS_PER_NODE:
+            raise serializers.ValidationError(f"GPU count must be an integer from 1 to {MAX_GPUS_PER_NODE}.")
+        return model.strip(), count
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+@extend_schema_field({"type": "object", "properties": {
+    K8S_GPU_KEY: {"type": "integer"}, "cpu": {"type": "string"}, "memory": {"type": "string"}},
+    "additionalProperties": False})
+class ParsedLimits(dict):
+    """Parsed Kubernetes limits (gpus, cpu_milli, memory_mb) that remember how the user wrote them."""
+
+    def __init__(self, parsed: dict[str, int], raw: dict[str, Any]):
+        super().__init__(parsed)
+        self.raw = raw
+
+
+class KubernetesLimitsField(serializers.Field):
+    """Kubernetes' spelling: `{"nvidia.com/gpu": 2, "cpu": "8", "memory": "32Gi"}`."""
+
+    def to_internal_value(self, data: Any) -> ParsedLimits:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError("Must be an object such as {\"nvidia.com/gpu\": 2}.")
+        unknown = sorted(set(data) - {K8S_GPU_KEY, "cpu", "memory"})
+        if unknown:
+            raise serializers.ValidationError(f"Unknown resource(s): {', '.join(unknown)}.")
+        out: dict[str, int] = {}
+        if K8S_GPU_KEY in data:
+            gpus = data[K8S_GPU_KEY]
+            if isinstance(gpus, str) and gpus.isdigit():
+                gpus = int(gpus)
+            if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS_PER_NODE:
+                raise serializers.ValidationError(
+                    f"{K8S_GPU_KEY} must be an integer from 1 to {MAX_GPUS_PER_NODE}."
+                )
+            out["gpus"] = gpus
+        if "cpu" in data:
+            match = _K8S_CPU_RE.match(str(data["cpu"])) if not isinstance(data["cpu"], bool) else None
+            if not match:
+                raise serializers.ValidationError('cpu must look like "8", "0.5" or "500m".')
+            value = float(match.group(1))
+            out["cpu_milli"] = int(value if match.group(2) else value * 1000)
+        if "memory" in data:
+            match = _K8S_MEM_RE.match(str(data["memory"])) if not isinstance(data["memory"], bool) else None
+            if not match:
+                raise serializers.ValidationError('memory must look like "32Gi", "512Mi" or "64G".')
+            out["memory_mb"] = math.ceil(float(match.group(1)) * _K8S_MEM_MB[match.group(2)])
+        return ParsedLimits(out, raw=dict(data))
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+class ResourcesSerializer(StrictSerializer):
+    gpus = StrictIntegerField(required=False, min_value=1, max_value=MAX_GPUS_PER_NODE,
+                              help_text="GPUs per node.")
+    gpu_models = StringListField(required=False, min_length=1, max_length=32,
+                                 help_text="Allowed GPU models (any of them).")
+    min_gpu_memory_gb = StrictIntegerField(required=False, min_value=1, max_value=4096)
+    gpu_fraction = StrictFloatField(required=False, min_value=0.001, max_value=1.0,
+                                    help_text="Share of one GPU, 0 < f <= 1, for small work.")
+    compute_units = StrictFloatField(required=False, min_value=0.01, max_value=100000,
+                                     help_text="Abstract capacity (A100 = 1.0); the broker picks the GPUs.")
+    interconnect = serializers.ChoiceField(choices=["any", "pcie", "nvlink"], required=False)
+    nodes = StrictIntegerField(required=False, min_value=1, max_value=MAX_NODES)
+    cpu = StrictFloatField(required=False, min_value=0.001, max_value=4096, help_text="CPU cores per node.")
+    memory_gb = StrictFloatField(required=False, min_value=0.001, max_value=65536, help_text="Per node.")
+    accelerators = AcceleratorsField(required=False, help_text='SkyPilot spelling, e.g. "A100-80GB:4".')
+    limits = KubernetesLimitsField(required=False, help_text='Kubernetes spelling, e.g. {"nvidia.com/gpu": 2}.')
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        errors: dict[str, str] = {}
+        if "accelerators" in attrs:
+            for clash in ("gpus", "gpu_models", "limits"):
+                if clash in attrs:
+                    errors["accelerators"] = f"Give either accelerators or {clash}, not both."
+        if "limits" in attrs and "gpus" in attrs and "gpus" in attrs["limits"]:
+            errors["limits"] = f"Give either limits.{K8S_GPU_KEY} or gpus, not both."
+        if "compute_units" in attrs:
+            for clash in ("gpus", "gpu_fraction", "accelerators"):
+                if clash in attrs:
+                    errors["compute_units"] = f"Ask for compute_units or for concrete GPUs ({clash}), not both."
+        if errors:
+            raise serializers.ValidationError(errors)
+        return attrs
+
+
+class PlacementSerializer(StrictSerializer):
+    providers = serializers.ListField(child=serializers.ChoiceField(choices=PROVIDERS), required=False,
+                                      min_length=1, max_length=len(PROVIDERS))
+    regions = StringListField(required=False, min_length=1, max_length=64)
+    spot = serializers.ChoiceField(choices=["never", "allowed", "required"], required=False)
+    max_price_per_hour = StrictFloatField(required=False, min_value=0.0001, max_value=100000,
+                                          help_text="Ceiling in USD per hour for the whole job.")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        providers = attrs.get("providers")
+        if attrs.get("spot") == "required" and providers and not set(providers) & {"aws", "gcp", "local"}:
+            raise serializers.ValidationError({"spot": "Spot capacity exists only on cloud providers (aws, gcp)."})
+        return attrs
+
+
+class CheckpointSerializer(StrictSerializer):
+    uri = StrictCharField(max_length=1024, help_text="Absolute path, file:// or s3://bucket/prefix.")
+    interval_minutes = StrictIntegerField(required=False, min_value=1, max_value=24 * 60)
+
+    def validate_uri(self, value: str) -> str:
+        if value.startswith("s3://"):
+            if not re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", value):
+                raise serializers.ValidationError("Not a valid s3://bucket/prefix URI.")
+        elif value.startswith("file://"):
+            if not value[len("file://"):].startswith("/"):
+                raise serializers.ValidationError("file:// URIs must hold an absolute path.")
+        elif not value.startswith("/"):
+            raise serializers.ValidationError("Must be an absolute path, a file:// URI or an s3:// URI.")
+        if "\x00" in value or "/../" in value or value.endswith("/.."):
+            raise serializers.ValidationError("Must not contain '..' segments or NUL bytes.")
+        return value
+
+
+class JobSpecSerializer(StrictSerializer):
+    name = StrictCharField(max_length=200)
+    command = serializers.ListField(child=StrictCharField(max_length=8192, allow_blank=True), required=False,
+                                    min_length=1, max_length=1024)
+    image = StrictCharField(required=False, max_length=512)
+    env = serializers.DictField(child=StrictCharField(max_length=32768, allow_blank=True), required=False)
+    priority = PriorityField(required=False, help_text="low|normal|high|critical or 0..1000.")
+    preemptible = StrictBooleanField(required=False)
+    expected_duration_hours = StrictFloatField(required=False, min_value=0.001, max_value=24 * 366)
+    deadline = serializers.DateTimeField(required=False)
+    resources = ResourcesSerializer()
+    placement = PlacementSerializer(required=False)
+    checkpoint = CheckpointSerializer(required=False)
+
+    def validate_name(self, value: str) -> str:
+        if not NAME_RE.match(value):
+            raise serializers.ValidationError(
+                "Use 1-200 letters, digits, '.', '_' or '-', starting with a letter or digit."
+            )
+        return value
+
+    def validate_env(self, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > 256:
+            raise serializers.ValidationError("At most 256 variables.")
+        for key in value:
+            if not ENV_KEY_RE.match(key):
+                raise serializers.ValidationError(f"{key!r} is not a valid environment variable name.")
+            if key.upper().startswith(RESERVED_ENV_PREFIX):
+                raise serializers.ValidationError(f"{key!r}: names starting with WHALEZEN_ are set by the broker.")
+        return value
+
+    def validate_deadline(self, value):
+        if value <= timezone.now():
+            raise serializers.ValidationError("Must be in the future.")
+        return value
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "command" not in attrs and "image" not in attrs:
+            raise serializers.ValidationError({"command": "Give a command, an image, or both."})
+        catalog: GpuCatalog = self.context["gpu_catalog"]
+        attrs["_demand"] = _normalise(attrs, catalog)
+        return attrs
+
+
+def _normalise(attrs: dict[str, Any], catalog: GpuCatalog) -> Demand:
+    """Fold the aliases into one demand and refuse impossible combinations (all errors name a field)."""
+    res = attrs["resources"]
+    placement = attrs.get("placement", {})
+    errors: dict[str, Any] = {}
+
+    gpus = res.get("gpus")
+    model_spellings = list(res.get("gpu_models", []))
+    cpu_milli = int(round(res["cpu"] * 1000)) if "cpu" in res else 0
+    memory_mb = int(math.ceil(res["memory_gb"] * 1024)) if "memory_gb" in res else 0
+    if "accelerators" in res:
+        model, gpus = res["accelerators"]
+        model_spellings = [model]
+    limits = res.get("limits", {})
+    if "gpus" in limits:
+        gpus = limits["gpus"]
+    cpu_milli = limits.get("cpu_milli", cpu_milli)
+    memory_mb = limits.get("memory_mb", memory_mb)
+
+    fraction = res.get("gpu_fraction")
+    compute_units = res.get("compute_units")
+    nodes = res.get("nodes", 1)
+    interconnect = res.get("interconnect", "any")
+
+    resolved = []
+    unknown = []
+    for spelling in model_spellings:
+        ref = catalog.resolve(spelling)
+        (resolved if ref else unknown).append(ref or spelling)
+    field = "accelerators" if "accelerators" in res else "gpu_models"
+    if unknown:
+        errors[field] = [
+            f"Unknown GPU model(s): {', '.join(unknown)}. Known: {', '.join(catalog.names) or 'none'}."
+        ]
+
+    if fraction is not None:
+        if gpus is not None and gpus > 1:
+            errors["gpu_fraction"] = ["A GPU fraction applies to one shared GPU; it cannot be combined with gpus > 1."]
+        if nodes > 1:
+            errors["gpu_fraction"] = ["A GPU fraction cannot be spread over several nodes."]
+        if interconnect == "nvlink":
+            errors["interconnect"] = ["nvlink makes no sense for a fraction of one GPU."]
+        gpus = 1
+    if gpus is None and compute_units is None:
+        errors.setdefault("gpus", ["Ask for GPUs: gpus, gpu_fraction, compute_units, accelerators or limits."])
+    if interconnect == "nvlink" and nodes > 1:
+        errors["interconnect"] = ["NVLink does not span nodes; use interconnect 'any' for a multi-node job."]
+    if interconnect in ("nvlink", "pcie") and gpus == 1 and fraction is None and compute_units is None:
+        pass  # a single GPU trivially satisfies a topology ask
+    min_mem = res.get("min_gpu_memory_gb", 0)
+    if min_mem and resolved and not unknown and all(ref.memory_gb < min_mem for ref in resolved):
+        biggest = max(ref.memory_gb for ref in resolved)
+        errors["min_gpu_memory_gb"] = [f"None of the allowed GPU models has {min_mem} GB; the largest has {biggest} GB."]
+
+    if errors:
+        raise serializers.ValidationError({"resources": errors})
+
+    spot = placement.get("spot", "never")
+    gpu_milli = int(round(fraction * 1000)) if fraction is not None else 1000
+    gpus_per_node = gpus or 0
+    price = placement.get("max_price_per_hour")
+    return Demand(
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        total_gpus=gpus_per_node * nodes,
+        gpu_milli=gpu_milli,
+        compute_units=compute_units,
+        gpu_models=sorted({ref.name for ref in resolved}),
+        min_gpu_memory_gb=min_mem,
+        interconnect=interconnect,
+        cpu_milli=cpu_milli,
+        memory_mb=memory_mb,
+        spot=spot,
+        max_price_per_hour=float(Decimal(str(price))) if price is not None else None,
+        providers=sorted(set(placement.get("providers", []))),
+        regions=sorted(set(placement.get("regions", []))),
+    )
+
+
+def spec_to_json(validated: dict[str, Any]) -> dict[str, Any]:
+    """The stored spec: the validated fields as the user spelled them (aliases kept), JSON-safe."""
+    out = {k: v for k, v in validated.items() if not k.startswith("_")}
+    if "deadline" in out:
+        out["deadline"] = out["deadline"].isoformat()
+    res = dict(out["resources"])
+    if "accelerators" in res:
+        model, count = res["accelerators"]
+        res["accelerators"] = f"{model}:{count}"
+    if "limits" in res:
+        res["limits"] = res["limits"].raw
+    out["resources"] = res
+    return out
