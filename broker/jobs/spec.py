@@ -134,9 +134,6 @@ class AcceleratorsField(serializers.Field):
         return value
 
 
-@extend_schema_field({"type": "object", "properties": {
-    K8S_GPU_KEY: {"type": "integer"}, "cpu": {"type": "string"}, "memory": {"type": "string"}},
-    "additionalProperties": False})
 class ParsedLimits(dict):
     """Parsed Kubernetes limits (gpus, cpu_milli, memory_mb) that remember how the user wrote them."""
 
@@ -145,6 +142,9 @@ class ParsedLimits(dict):
         self.raw = raw
 
 
+@extend_schema_field({"type": "object", "properties": {
+    K8S_GPU_KEY: {"type": "integer"}, "cpu": {"type": "string"}, "memory": {"type": "string"}},
+    "additionalProperties": False})
 class KubernetesLimitsField(serializers.Field):
     """Kubernetes' spelling: `{"nvidia.com/gpu": 2, "cpu": "8", "memory": "32Gi"}`."""
 
