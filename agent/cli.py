@@ -1,0 +1,133 @@
+"""Command line: `python -m agent probe ...` and `python -m agent --server URL --join-token T ...`.
+
+Exit codes: 0 clean stop, 1 unexpected error, 2 bad usage, 3 GPUs cannot be read (no driver),
+4 the broker refused registration (bad join token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from agent import AGENT_VERSION
+from agent.backends import FakeSpecError, GpuBackendUnavailable, open_backend
+from agent.host import hostname
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_GPU_BACKEND, EXIT_REGISTRATION_REFUSED = 0, 1, 2, 3, 4
+PROG = "whalezen-agent"
+
+
+def _probe_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} probe", description="Print this node's GPU inventory and one telemetry sample as JSON."
+    )
+    parser.add_argument("--fake-gpus", metavar="SPEC", help="simulate GPUs, e.g. 8xA100-80GB-SXM or 4xT4")
+    parser.add_argument("--name", help="node name (salts fake GPU UUIDs)")
+    return parser
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="WhaleZen node agent: registers this node's GPUs with the broker and runs assigned jobs. "
+        "Use `probe` to only print the GPU inventory.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {AGENT_VERSION}")
+    parser.add_argument("--server", required=True, metavar="URL", help="broker base URL, e.g. http://broker:8000")
+    parser.add_argument(
+        "--join-token",
+        default=os.environ.get("WHALEZEN_JOIN_TOKEN"),
+        metavar="TOKEN",
+        help="the pool's join token (or env WHALEZEN_JOIN_TOKEN, which `ps` cannot show); "
+        "only needed until the node is registered",
+    )
+    parser.add_argument("--name", default=None, help="node name (default: host name)")
+    parser.add_argument("--state-dir", type=Path, default=None, help="where the node token and job state live")
+    parser.add_argument("--heartbeat-seconds", type=float, default=None, help="override the broker's interval")
+    parser.add_argument("--fake-gpus", metavar="SPEC", help="simulate GPUs instead of reading NVML")
+    parser.add_argument("--fake-faults", type=Path, metavar="FILE",
+                        help="with --fake-gpus: apply lines `xid GPU CODE`, `ecc GPU N`, `lost GPU` added to FILE")
+    parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="node label (repeatable)")
+    parser.add_argument("--stop-grace-seconds", type=float, default=10.0,
+                        help="time a job gets between SIGTERM and SIGKILL")
+    parser.add_argument("--log-level", default=os.environ.get("WHALEZEN_AGENT_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["probe"]:
+        return _probe(_probe_parser().parse_args(args[1:]))
+    if args[:1] == ["run"]:
+        args = args[1:]
+    return _run(_run_parser().parse_args(args))
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _probe(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        backend = open_backend(args.fake_gpus, node_name=args.name)
+        backend.start()
+    except FakeSpecError as err:
+        return _fail(f"--fake-gpus: {err}", EXIT_USAGE)
+    except GpuBackendUnavailable as err:
+        return _fail(str(err), EXIT_NO_GPU_BACKEND)
+    try:
+        inventory = backend.inventory()
+        sample = backend.sample()
+    finally:
+        backend.close()
+    report = {"agent_version": AGENT_VERSION, "inventory": inventory.to_json(), "sample": [r.to_json() for r in sample]}
+    json.dump(report, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return EXIT_OK
+
+
+def _run(args: argparse.Namespace) -> int:
+    from agent.loop import Agent, AgentConfig, RegistrationRefused, default_state_dir
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = args.name or hostname()
+    labels: dict[str, str] = {}
+    for item in args.label:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            return _fail(f"--label {item!r}: expected KEY=VALUE", EXIT_USAGE)
+        labels[key] = value
+    if args.fake_faults and not args.fake_gpus:
+        return _fail("--fake-faults needs --fake-gpus", EXIT_USAGE)
+    try:
+        backend = open_backend(args.fake_gpus, faults_file=args.fake_faults, node_name=name)
+    except FakeSpecError as err:
+        return _fail(f"--fake-gpus: {err}", EXIT_USAGE)
+    config = AgentConfig(
+        server_url=args.server,
+        join_token=args.join_token,
+        name=name,
+        state_dir=args.state_dir or default_state_dir(name),
+        heartbeat_seconds=args.heartbeat_seconds,
+        stop_grace_s=args.stop_grace_seconds,
+        labels=labels,
+    )
+    try:
+        agent = Agent(config, backend)
+    except ValueError as err:  # e.g. a server URL without http://
+        return _fail(str(err), EXIT_USAGE)
+    signal.signal(signal.SIGTERM, agent.request_stop)
+    signal.signal(signal.SIGINT, agent.request_stop)
+    try:
+        return agent.run()
+    except GpuBackendUnavailable as err:
+        return _fail(str(err), EXIT_NO_GPU_BACKEND)
+    except RegistrationRefused as err:
+        return _fail(f"registration refused: {err}", EXIT_REGISTRATION_REFUSED)

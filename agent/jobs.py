@@ -1,0 +1,296 @@
+"""Assignments from the broker, and the job processes the agent runs for them.
+
+Each job runs in its own session (process group) so a stop reaches everything it spawned, with
+stdin closed and stdout/stderr appended to `<state dir>/jobs/<assignment id>/job.log`. Its working
+directory is that folder; a checkpoint request is a JSON file written there plus SIGUSR1 to the
+job's main process only (SIGUSR1 kills by default, so its helpers must not get it uninvited).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_REQUEST_FILE = "whalezen-checkpoint-request.json"
+ACTIONS = ("start", "stop", "checkpoint")
+# Set by the agent; the assignment's env cannot override them.
+RESERVED_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "WHALEZEN_JOB_ID",
+    "WHALEZEN_ASSIGNMENT_ID",
+    "WHALEZEN_EPOCH",
+    "WHALEZEN_NODE_ID",
+    "WHALEZEN_CHECKPOINT_URI",
+    "WHALEZEN_CHECKPOINT_REQUEST_FILE",
+    "WHALEZEN_WORK_DIR",
+)
+# Never handed to jobs: the agent's own secrets and GPU selection.
+_AGENT_ONLY_ENV_PREFIXES = ("WHALEZEN_",)
+_AGENT_ONLY_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+
+
+class AssignmentInvalid(ValueError):
+    pass
+
+
+class JobStartError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Assignment:
+    id: str
+    job_id: str
+    epoch: int
+    action: str
+    gpu_indices: tuple[int, ...]
+    gpu_uuids: tuple[str, ...] | None
+    command: tuple[str, ...] | str
+    env: Mapping[str, str]
+    checkpoint_uri: str | None
+    checkpoint_request_id: str | None
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Assignment":
+        if not isinstance(data, dict):
+            raise AssignmentInvalid("assignment is not a JSON object")
+        try:
+            assignment_id = str(data["id"])
+            job_id = str(data["job_id"])
+            epoch = int(data["epoch"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise AssignmentInvalid(f"missing or bad field: {err}") from None
+        action = str(data.get("action") or "start")
+        if action not in ACTIONS:
+            raise AssignmentInvalid(f"unknown action {action!r}")
+        indices = data.get("gpu_indices") or []
+        if not isinstance(indices, list) or not all(isinstance(i, int) and i >= 0 for i in indices):
+            raise AssignmentInvalid("gpu_indices must be a list of GPU indices")
+        if len(set(indices)) != len(indices):
+            raise AssignmentInvalid("gpu_indices lists a GPU twice")
+        uuids = data.get("gpu_uuids")
+        if uuids is not None and (not isinstance(uuids, list) or len(uuids) != len(indices)):
+            raise AssignmentInvalid("gpu_uuids must list one UUID per entry of gpu_indices")
+        command = data.get("command")
+        if isinstance(command, list) and command and all(isinstance(c, str) for c in command):
+            command = tuple(command)
+        elif not (isinstance(command, str) and command.strip()) and action == "start":
+            raise AssignmentInvalid("command must be a non-empty argv list or shell string")
+        env = data.get("env") or {}
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise AssignmentInvalid("env must map names to string values")
+        return cls(
+            id=assignment_id,
+            job_id=job_id,
+            epoch=epoch,
+            action=action,
+            gpu_indices=tuple(indices),
+            gpu_uuids=None if uuids is None else tuple(str(u) for u in uuids),
+            command=command if command is not None else (),
+            env=dict(env),
+            checkpoint_uri=data.get("checkpoint_uri") or None,
+            checkpoint_request_id=None if data.get("checkpoint_request_id") is None else str(data["checkpoint_request_id"]),
+        )
+
+
+@dataclass(frozen=True)
+class JobExit:
+    assignment_id: str
+    job_id: str
+    epoch: int
+    state: str  # exited | failed | stopped
+    exit_code: int | None
+    message: str
+
+
+@dataclass
+class RunningJob:
+    assignment: Assignment
+    process: subprocess.Popen[bytes]
+    workdir: Path
+    stop_reason: str | None = None
+    kill_at: float | None = None
+    checkpoint_requests: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def job_environment(
+    assignment: Assignment, *, workdir: Path, node_id: str | None, base_env: Mapping[str, str]
+) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in base_env.items()
+        if not k.startswith(_AGENT_ONLY_ENV_PREFIXES) and k not in _AGENT_ONLY_ENV
+    }
+    for key, value in assignment.env.items():
+        if key in RESERVED_ENV:
+            log.warning("assignment %s: ignoring env %s, the agent sets it", assignment.id, key)
+            continue
+        env[key] = value
+    env.update(
+        {
+            # NVML numbers GPUs in PCI bus order; CUDA's default order is "fastest first". Making
+            # CUDA use PCI order too means index N is the same GPU for the broker and for the job.
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in assignment.gpu_indices),
+            "WHALEZEN_JOB_ID": assignment.job_id,
+            "WHALEZEN_ASSIGNMENT_ID": assignment.id,
+            "WHALEZEN_EPOCH": str(assignment.epoch),
+            "WHALEZEN_WORK_DIR": str(workdir),
+            "WHALEZEN_CHECKPOINT_REQUEST_FILE": str(workdir / CHECKPOINT_REQUEST_FILE),
+        }
+    )
+    if node_id:
+        env["WHALEZEN_NODE_ID"] = node_id
+    if assignment.checkpoint_uri:
+        env["WHALEZEN_CHECKPOINT_URI"] = assignment.checkpoint_uri
+    return env
+
+
+class JobRunner:
+    def __init__(
+        self,
+        jobs_dir: Path,
+        *,
+        base_env: Mapping[str, str] | None = None,
+        stop_grace_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.jobs_dir = Path(jobs_dir)
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.stop_grace_s = stop_grace_s
+        self._clock = clock
+        self._running: dict[str, RunningJob] = {}
+
+    @property
+    def running(self) -> Mapping[str, RunningJob]:
+        return self._running
+
+    def busy_gpus(self) -> set[int]:
+        return {i for job in self._running.values() for i in job.assignment.gpu_indices}
+
+    def start(self, assignment: Assignment, *, node_id: str | None) -> RunningJob:
+        workdir = self.jobs_dir / _safe_name(assignment.id)
+        workdir.mkdir(parents=True, exist_ok=True)
+        env = job_environment(assignment, workdir=workdir, node_id=node_id, base_env=self.base_env)
+        argv = ["/bin/sh", "-c", assignment.command] if isinstance(assignment.command, str) else list(assignment.command)
+        log_file = open(workdir / "job.log", "ab")
+        try:
+            process = subprocess.Popen(
+                argv,
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as err:
+            raise JobStartError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
+        finally:
+            log_file.close()  # the child has its own copy
+        job = RunningJob(assignment=assignment, process=process, workdir=workdir)
+        self._running[assignment.id] = job
+        log.info("assignment %s: started pid %d on GPUs %s", assignment.id, process.pid, env["CUDA_VISIBLE_DEVICES"])
+        return job
+
+    def request_checkpoint(self, assignment_id: str, *, request_id: str, checkpoint_uri: str | None) -> bool:
+        job = self._running.get(assignment_id)
+        if job is None or request_id in job.checkpoint_requests:
+            return False
+        request = {
+            "request_id": request_id,
+            "assignment_id": assignment_id,
+            "job_id": job.assignment.job_id,
+            "checkpoint_uri": checkpoint_uri or job.assignment.checkpoint_uri,
+            "requested_at": time.time(),
+        }
+        path = job.workdir / CHECKPOINT_REQUEST_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(request))
+        os.replace(tmp, path)  # the job never sees half a request
+        job.checkpoint_requests.append(request_id)
+        try:
+            os.kill(job.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(self, assignment_id: str, *, reason: str) -> None:
+        job = self._running.get(assignment_id)
+        if job is None or job.stop_reason is not None:
+            return
+        job.stop_reason = reason
+        job.kill_at = self._clock() + self.stop_grace_s
+        _signal_group(job.process, signal.SIGTERM)
+
+    def poll(self) -> list[JobExit]:
+        """Reap finished jobs; SIGKILL those that ignored SIGTERM past their grace period."""
+        exits: list[JobExit] = []
+        now = self._clock()
+        for assignment_id, job in list(self._running.items()):
+            code = job.process.poll()
+            if code is None:
+                if job.kill_at is not None and now >= job.kill_at:
+                    _signal_group(job.process, signal.SIGKILL)
+                continue
+            # The main process is gone; take down anything it left behind in its session.
+            _signal_group(job.process, signal.SIGKILL)
+            del self._running[assignment_id]
+            exits.append(_exit_of(job, code))
+        return exits
+
+    def stop_all(self, *, reason: str, wait: Callable[[float], Any] = time.sleep) -> list[JobExit]:
+        for assignment_id in list(self._running):
+            self.stop(assignment_id, reason=reason)
+        exits: list[JobExit] = []
+        deadline = self._clock() + self.stop_grace_s + 5.0
+        while self._running and self._clock() < deadline:
+            exits.extend(self.poll())
+            if self._running:
+                wait(0.05)
+        return exits
+
+
+def _exit_of(job: RunningJob, code: int) -> JobExit:
+    a = job.assignment
+    if job.stop_reason is not None:
+        how = f"exit code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
+        return JobExit(a.id, a.job_id, a.epoch, "stopped", code, f"{job.stop_reason} ({how})")
+    if code == 0:
+        return JobExit(a.id, a.job_id, a.epoch, "exited", 0, "exited with code 0")
+    if code < 0:
+        return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"killed by signal {_signal_name(-code)}")
+    return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"exited with code {code}")
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)  # start_new_session made the job its group's leader
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def _safe_name(assignment_id: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in assignment_id)
+    return cleaned.strip(".") or "assignment"

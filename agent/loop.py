@@ -1,0 +1,413 @@
+"""The agent's main loop: register, heartbeat, pull assignments, run them, report, survive outages.
+
+One thread does everything in `step()`, which never sleeps itself; `run()` sleeps between steps on
+an Event, so SIGTERM (which sets it) ends the loop at once. Tests drive `step()` with a fake clock.
+
+Ordering rules that keep the broker's view right:
+- Status reports go through a persisted outbox, in order, before each heartbeat, so a broker
+  that comes back first hears how jobs ended, then sees the node's current state.
+- The highest epoch ever seen (from any response) is persisted; an assignment below it is stale:
+  refused if new, stopped if running. The broker raises a node's epoch when it takes the node's
+  work away (node marked lost), so this fences work the broker already gave to someone else.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent import AGENT_VERSION
+from agent.backends.base import GpuBackend
+from agent.backoff import Backoff
+from agent.client import BrokerAuthError, BrokerClient, BrokerRejected, BrokerUnavailable
+from agent.jobs import Assignment, AssignmentInvalid, JobExit, JobRunner, JobStartError
+from agent.model import GpuReading, Health
+from agent.procs import kill_orphan, process_start_ticks
+from agent.protocol import heartbeat_payload, registration_payload
+from agent.state import AgentState, Identity, JobRecord, StateStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 5.0
+
+
+class RegistrationRefused(RuntimeError):
+    """The broker rejected the join token (or the request): retrying cannot help."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    server_url: str
+    join_token: str | None
+    name: str
+    state_dir: Path
+    heartbeat_seconds: float | None = None  # None: what the broker says at registration
+    tick_seconds: float = 0.5  # how often finished jobs are noticed between heartbeats
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 60.0
+    stop_grace_s: float = 10.0
+    http_timeout_s: float = 10.0
+    labels: dict[str, str] | None = None
+
+
+class Agent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        backend: GpuBackend,
+        *,
+        client: BrokerClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        base_env: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.client = client or BrokerClient(config.server_url, timeout_s=config.http_timeout_s)
+        self.clock = clock
+        self.store = StateStore(config.state_dir)
+        self.state: AgentState = self.store.load_state()
+        self.identity: Identity | None = self._load_identity()
+        self.runner = JobRunner(self.store.jobs_dir, base_env=base_env, stop_grace_s=config.stop_grace_s, clock=clock)
+        self.backoff = Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s, rng=rng)
+        self.stop_event = threading.Event()
+        self.heartbeat_s = config.heartbeat_seconds or DEFAULT_HEARTBEAT_S
+        self.last_sample: tuple[GpuReading, ...] = ()
+        self.last_sample_at: float | None = None  # wall-clock time of last_sample
+        self._sampled_mono: float | None = None
+        self.missed_heartbeats = 0
+        self.last_error: str | None = None
+        self.broker_says_lost = False
+        self._next_network_at = clock()
+        self._next_heartbeat_at = clock()
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the GPUs (raises GpuBackendUnavailable) and clean up after a crashed predecessor."""
+        if self._started:
+            return
+        self.backend.start()
+        self.backend.inventory()
+        self._fence_orphans()
+        self._started = True
+
+    def run(self) -> int:
+        self.start()
+        try:
+            while not self.stop_event.is_set():
+                delay = self.step()
+                self.stop_event.wait(delay)
+        finally:
+            self.shutdown()
+        return 0
+
+    def request_stop(self, *_: Any) -> None:
+        """Signal handler for SIGTERM/SIGINT: only sets a flag, the loop does the work."""
+        self.stop_event.set()
+
+    def shutdown(self) -> None:
+        """Stop every job (no process of ours may outlive the agent), report, release the GPUs."""
+        for exit_ in self.runner.stop_all(reason="agent shutting down"):
+            self._record_exit(exit_)
+        if self.identity is not None and self.state.outbox:
+            try:
+                self._flush_outbox()
+            except (BrokerUnavailable, BrokerAuthError) as err:
+                log.warning("could not deliver %d status report(s) before exit (%s); kept for next start",
+                            len(self.state.outbox), err)
+        self.store.save_state(self.state)
+        self.backend.close()
+
+    # -- one iteration -----------------------------------------------------------------------
+    def step(self) -> float:
+        """Do what is due now; return how long to wait before the next step."""
+        self.start()
+        for exit_ in self.runner.poll():
+            self._record_exit(exit_)
+        now = self.clock()
+        if now >= self._next_heartbeat_at and (self._sampled_mono is None or now - self._sampled_mono >= self.heartbeat_s):
+            self._sample(now)
+        if now < self._next_network_at:
+            return self._wait_until(self._next_network_at)
+        try:
+            if self.identity is None:
+                self._register()
+            self._flush_outbox()
+            if now >= self._next_heartbeat_at:
+                self._heartbeat()
+                self._sync_assignments()
+                self._flush_outbox()
+                self._next_heartbeat_at = now + self.heartbeat_s
+            self.backoff.reset()
+            self.last_error = None
+        except BrokerUnavailable as err:
+            self._on_broker_down(now, str(err))
+        except BrokerAuthError as err:
+            if self.identity is None:
+                raise RegistrationRefused(str(err)) from None
+            # Our node token is no longer accepted (node deleted or token revoked): join again.
+            log.error("broker refused our node token (%s); registering again with the join token", err)
+            self.identity = None
+            self.store.clear_identity()
+            self._on_broker_down(now, str(err))
+        return self._wait_until(min(self._next_heartbeat_at, max(self._next_network_at, now)))
+
+    def _wait_until(self, when: float) -> float:
+        return max(0.0, min(self.config.tick_seconds, when - self.clock()))
+
+    def _on_broker_down(self, now: float, reason: str) -> None:
+        delay = self.backoff.next_delay()
+        self._next_network_at = now + delay
+        self.missed_heartbeats += 1 if now >= self._next_heartbeat_at else 0
+        self._next_heartbeat_at = min(self._next_heartbeat_at, self._next_network_at)
+        self.last_error = reason
+        log.warning("%s; retrying in %.1fs (attempt %d)", reason, delay, self.backoff.failures)
+
+    # -- broker calls ------------------------------------------------------------------------
+    def _load_identity(self) -> Identity | None:
+        identity = self.store.load_identity()
+        if identity is not None and identity.server_url.rstrip("/") != self.config.server_url.rstrip("/"):
+            log.warning("state dir belongs to broker %s, not %s: registering anew", identity.server_url,
+                        self.config.server_url)
+            return None
+        return identity
+
+    def _register(self) -> None:
+        if not self.config.join_token:
+            raise RegistrationRefused("this node is not registered yet and no join token was given (--join-token)")
+        payload = registration_payload(
+            inventory=self.backend.inventory(),
+            join_token=self.config.join_token,
+            name=self.config.name,
+            agent_key=self.state.agent_key,
+            labels=self.config.labels or {},
+        )
+        try:
+            body = self.client.register(payload)
+        except BrokerRejected as err:
+            raise RegistrationRefused(str(err)) from None
+        try:
+            identity = Identity(
+                server_url=self.config.server_url,
+                node_id=str(body["node_id"]),
+                node_token=str(body["node_token"]),
+                name=self.config.name,
+            )
+        except KeyError as err:
+            raise BrokerUnavailable(f"registration answer lacks {err}") from None
+        self.store.save_identity(identity)
+        self.identity = identity
+        self._see_epoch(body.get("epoch"))
+        if self.config.heartbeat_seconds is None and body.get("heartbeat_seconds"):
+            self.heartbeat_s = float(body["heartbeat_seconds"])
+        log.info("registered as node %s (%d GPUs)", identity.node_id, len(self.backend.inventory().gpus))
+
+    def _sample(self, now: float) -> None:
+        try:
+            self.last_sample = self.backend.sample()
+            self.last_sample_at = time.time()
+            self._sampled_mono = now
+        except Exception:  # one bad sample must not stop heartbeats or job supervision
+            log.exception("GPU sampling failed; sending the previous sample")
+
+    def _heartbeat(self) -> None:
+        assert self.identity is not None
+        payload = heartbeat_payload(
+            readings=self.last_sample,
+            sampled_at=self.last_sample_at,
+            running=self.runner.running,
+            max_epoch=self.state.max_epoch,
+            missed_heartbeats=self.missed_heartbeats,
+            last_error=self.last_error,
+        )
+        body = self.client.heartbeat(self.identity.node_token, payload)
+        self.missed_heartbeats = 0
+        self._see_epoch(body.get("epoch"))
+        lost = bool(body.get("lost"))
+        if lost and not self.broker_says_lost:
+            log.warning("broker had marked this node LOST; work from before epoch %d is fenced", self.state.max_epoch)
+        self.broker_says_lost = lost
+        if self.config.heartbeat_seconds is None and body.get("heartbeat_seconds"):
+            self.heartbeat_s = float(body["heartbeat_seconds"])
+
+    def _flush_outbox(self) -> None:
+        assert self.identity is not None
+        while self.state.outbox:
+            report = self.state.outbox[0]
+            payload = {k: v for k, v in report.items() if k != "assignment_id"}
+            try:
+                self.client.report_status(self.identity.node_token, report["assignment_id"], payload)
+            except BrokerRejected as err:
+                # The broker will never accept this one (assignment gone, transition invalid).
+                log.warning("status report for %s dropped: %s", report["assignment_id"], err)
+            self.state.outbox.pop(0)
+            self.store.save_state(self.state)
+
+    def _see_epoch(self, epoch: Any) -> None:
+        if isinstance(epoch, int) and epoch > self.state.max_epoch:
+            self.state.max_epoch = epoch
+            self.store.save_state(self.state)
+            for assignment_id, job in self.runner.running.items():
+                if job.assignment.epoch < epoch:
+                    self.runner.stop(assignment_id, reason=f"fenced: epoch {job.assignment.epoch} < {epoch}")
+
+    # -- assignments -------------------------------------------------------------------------
+    def _sync_assignments(self) -> None:
+        assert self.identity is not None
+        body = self.client.assignments(self.identity.node_token)
+        self._see_epoch(body.get("epoch"))
+        raw_list = body.get("assignments")
+        if not isinstance(raw_list, list):
+            raise BrokerUnavailable("assignments answer has no list")
+        listed: set[str] = set()
+        for raw in raw_list:
+            try:
+                assignment = Assignment.from_json(raw)
+            except AssignmentInvalid as err:
+                if isinstance(raw, dict) and raw.get("id") is not None:
+                    listed.add(str(raw["id"]))
+                    self._refuse_once(str(raw["id"]), str(raw.get("job_id", "")), int(raw.get("epoch") or 0),
+                                      f"invalid assignment: {err}")
+                continue
+            listed.add(assignment.id)
+            self._apply(assignment)
+        # The list is the node's whole desired state: a running job missing from it was taken away.
+        for assignment_id in list(self.runner.running):
+            if assignment_id not in listed:
+                self.runner.stop(assignment_id, reason="assignment withdrawn by the broker")
+        self.backend.note_busy_gpus(self.runner.busy_gpus())
+
+    def _apply(self, a: Assignment) -> None:
+        running = self.runner.running.get(a.id)
+        record = self.state.jobs.get(a.id)
+        if a.epoch < self.state.max_epoch:
+            if running is not None:
+                self.runner.stop(a.id, reason=f"fenced: epoch {a.epoch} < {self.state.max_epoch}")
+            else:
+                self._refuse_once(a.id, a.job_id, a.epoch,
+                                  f"stale epoch {a.epoch}: this node has seen epoch {self.state.max_epoch}")
+            return
+        if a.action == "stop":
+            if running is not None:
+                self.runner.stop(a.id, reason="stop requested by the broker")
+            elif record is None:
+                self._finish_unstarted(a, "stopped", "stopped before it started")
+            return
+        if a.action == "checkpoint":
+            if running is not None:
+                request_id = a.checkpoint_request_id or f"{a.id}@{a.epoch}"
+                if self.runner.request_checkpoint(a.id, request_id=request_id, checkpoint_uri=a.checkpoint_uri):
+                    self._queue(a.id, a.job_id, a.epoch, "checkpoint_requested", None,
+                                f"checkpoint request {request_id} delivered (SIGUSR1)")
+                    self._record_running(self.runner.running[a.id])
+            elif record is None:
+                self._finish_unstarted(a, "failed", "checkpoint requested but the job is not running on this node")
+            return
+        # action == "start"
+        if running is not None or record is not None:
+            return  # already running, or already ran: never start an assignment twice
+        problem = self._gpu_problem(a)
+        if problem:
+            self._refuse_once(a.id, a.job_id, a.epoch, problem)
+            return
+        try:
+            job = self.runner.start(a, node_id=self.identity.node_id if self.identity else None)
+        except JobStartError as err:
+            self._finish_unstarted(a, "failed", str(err))
+            return
+        self._record_running(job)
+        self._queue(a.id, a.job_id, a.epoch, "running", None, f"started pid {job.pid}", pid=job.pid)
+
+    def _gpu_problem(self, a: Assignment) -> str | None:
+        inventory = self.backend.inventory()
+        by_index = {g.index: g for g in inventory.gpus}
+        health = {r.index: r for r in self.last_sample}
+        busy = self.runner.busy_gpus()
+        for position, index in enumerate(a.gpu_indices):
+            gpu = by_index.get(index)
+            if gpu is None:
+                return f"GPU {index} does not exist on this node ({len(by_index)} GPUs)"
+            if a.gpu_uuids is not None and gpu.uuid != a.gpu_uuids[position]:
+                return f"GPU {index} is {gpu.uuid}, not {a.gpu_uuids[position]} (GPU numbering changed?)"
+            if index in busy:
+                return f"GPU {index} is already in use by another assignment on this node"
+            reading = health.get(index)
+            if reading is not None and reading.health is Health.FAILED:
+                return f"GPU {index} is FAILED: {'; '.join(reading.health_reasons)}"
+        return None
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _queue(self, assignment_id: str, job_id: str, epoch: int, state: str, exit_code: int | None,
+               message: str, *, pid: int | None = None) -> None:
+        report: dict[str, Any] = {
+            "assignment_id": assignment_id,
+            "job_id": job_id,
+            "epoch": epoch,
+            "state": state,
+            "exit_code": exit_code,
+            "message": message,
+            "at": time.time(),
+        }
+        if pid is not None:
+            report["pid"] = pid
+        self.state.queue_report(report)
+        self.store.save_state(self.state)
+
+    def _refuse_once(self, assignment_id: str, job_id: str, epoch: int, message: str) -> None:
+        if assignment_id in self.state.jobs:
+            return
+        log.warning("refusing assignment %s: %s", assignment_id, message)
+        self.state.jobs[assignment_id] = JobRecord(assignment_id, job_id, epoch, "refused")
+        self._queue(assignment_id, job_id, epoch, "refused", None, message)
+
+    def _finish_unstarted(self, a: Assignment, state: str, message: str) -> None:
+        self.state.jobs[a.id] = JobRecord(a.id, a.job_id, a.epoch, state, gpu_indices=list(a.gpu_indices))
+        self._queue(a.id, a.job_id, a.epoch, state, None, message)
+
+    def _record_running(self, job: Any) -> None:
+        a = job.assignment
+        self.state.jobs[a.id] = JobRecord(
+            a.id, a.job_id, a.epoch, "running", pid=job.pid, pid_start_ticks=process_start_ticks(job.pid),
+            gpu_indices=list(a.gpu_indices), checkpoint_requests=list(job.checkpoint_requests),
+        )
+        self.store.save_state(self.state)
+
+    def _record_exit(self, exit_: JobExit) -> None:
+        record = self.state.jobs.get(exit_.assignment_id)
+        if record is not None:
+            record.state = exit_.state
+            record.pid = None
+        log.info("assignment %s: %s", exit_.assignment_id, exit_.message)
+        self._queue(exit_.assignment_id, exit_.job_id, exit_.epoch, exit_.state, exit_.exit_code, exit_.message)
+        self.backend.note_busy_gpus(self.runner.busy_gpus())
+
+    def _fence_orphans(self) -> None:
+        """A predecessor that crashed may have left jobs running that nobody supervises: stop them."""
+        for record in self.state.jobs.values():
+            if record.state != "running":
+                continue
+            killed = kill_orphan(record.pid, record.pid_start_ticks, grace_s=self.config.stop_grace_s)
+            record.state = "failed"
+            record.pid = None
+            how = "its process was stopped" if killed else "its process was already gone"
+            self._queue(record.assignment_id, record.job_id, record.epoch, "failed", None,
+                        f"agent restarted while the job ran; {how} and its exit status is unknown")
+        self.store.save_state(self.state)
+
+
+def default_state_dir(name: str) -> Path:
+    if os.environ.get("WHALEZEN_AGENT_STATE_DIR"):
+        return Path(os.environ["WHALEZEN_AGENT_STATE_DIR"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/whalezen-agent")
+    return Path.home() / ".local" / "state" / "whalezen-agent" / name
+
+
+__all__ = ["Agent", "AgentConfig", "RegistrationRefused", "default_state_dir", "AGENT_VERSION"]
