@@ -1,6 +1,7 @@
 """Fixtures for broker tests: two tenants (acme, globex) with users, nodes and API clients."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -86,3 +87,5 @@ requires_postgres = pytest.mark.skipif(
 )
 
 MINIMAL_SPEC = {"name": "train", "command": ["python", "train.py"], "resources": {"gpus": 1}}
+
+requires_redis = pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs Redis (set REDIS_URL)")

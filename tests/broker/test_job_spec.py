@@ -187,3 +187,10 @@ def test_job_larger_than_quota_is_refused(acme):
     resp = acme.client.post(URL, spec(resources={"gpus": 8}), format="json")
     assert resp.status_code == 400 and "resources" in resp.json()
     assert Job.objects.count() == 0
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).resolve().parents[2].joinpath("examples").glob("job-*")))
+def test_shipped_examples_are_accepted(acme, path):
+    content_type = "application/yaml" if path.suffix in (".yaml", ".yml") else "application/json"
+    resp = acme.client.post(URL, path.read_text(), content_type=content_type)
+    assert resp.status_code == 201, resp.content
