@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.procs import catches_signal
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_REQUEST_FILE = "whalezen-checkpoint-request.json"
@@ -207,10 +209,15 @@ class JobRunner:
         log.info("assignment %s: started pid %d on GPUs %s", assignment.id, process.pid, env["CUDA_VISIBLE_DEVICES"])
         return job
 
-    def request_checkpoint(self, assignment_id: str, *, request_id: str, checkpoint_uri: str | None) -> bool:
+    def request_checkpoint(self, assignment_id: str, *, request_id: str, checkpoint_uri: str | None) -> str | None:
+        """Write the request file, then SIGUSR1 the job if it handles it.
+
+        Returns "signalled", "file_only" (the job has no SIGUSR1 handler: it must poll the file) or
+        None when there is nothing to do (not running, or this request was already delivered).
+        """
         job = self._running.get(assignment_id)
         if job is None or request_id in job.checkpoint_requests:
-            return False
+            return None
         request = {
             "request_id": request_id,
             "assignment_id": assignment_id,
@@ -223,11 +230,13 @@ class JobRunner:
         tmp.write_text(json.dumps(request))
         os.replace(tmp, path)  # the job never sees half a request
         job.checkpoint_requests.append(request_id)
+        if not catches_signal(job.pid, signal.SIGUSR1):
+            return "file_only"
         try:
             os.kill(job.pid, signal.SIGUSR1)
         except ProcessLookupError:
-            return False
-        return True
+            return "file_only"
+        return "signalled"
 
     def stop(self, assignment_id: str, *, reason: str) -> None:
         job = self._running.get(assignment_id)

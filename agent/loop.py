@@ -303,9 +303,12 @@ class Agent:
         if a.action == "checkpoint":
             if running is not None:
                 request_id = a.checkpoint_request_id or f"{a.id}@{a.epoch}"
-                if self.runner.request_checkpoint(a.id, request_id=request_id, checkpoint_uri=a.checkpoint_uri):
+                how = self.runner.request_checkpoint(a.id, request_id=request_id, checkpoint_uri=a.checkpoint_uri)
+                if how is not None:
+                    detail = "request file written, SIGUSR1 sent" if how == "signalled" else (
+                        "request file written; the job has no SIGUSR1 handler, so no signal was sent")
                     self._queue(a.id, a.job_id, a.epoch, "checkpoint_requested", None,
-                                f"checkpoint request {request_id} delivered (SIGUSR1)")
+                                f"checkpoint request {request_id}: {detail}")
                     self._record_running(self.runner.running[a.id])
             elif record is None:
                 self._finish_unstarted(a, "failed", "checkpoint requested but the job is not running on this node")

@@ -44,3 +44,18 @@ def kill_orphan(pid: int | None, start_ticks: int | None, *, grace_s: float) -> 
     except (ProcessLookupError, PermissionError):
         pass
     return True
+
+
+def catches_signal(pid: int, signum: int, proc: Path = Path("/proc")) -> bool:
+    """Whether the process has a handler for `signum` (SigCgt in /proc/<pid>/status).
+
+    SIGUSR1's default action is to terminate: signalling a job that never installed a handler
+    would kill the job we were asked to checkpoint.
+    """
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False

@@ -1,0 +1,46 @@
+"""Job commands for tests: small Python programs run by the agent as real processes."""
+from __future__ import annotations
+
+import sys
+
+PY = sys.executable
+
+# Writes its environment to env.json in its working directory, then exits with code $EXIT_CODE.
+WRITE_ENV = [PY, "-c", (
+    "import json, os, sys\n"
+    "json.dump(dict(os.environ), open('env.json', 'w'))\n"
+    "sys.exit(int(os.environ.get('EXIT_CODE', '0')))\n"
+)]
+
+# Installs a SIGUSR1 handler, says it is ready, then on a checkpoint request copies the request
+# file to checkpoint-done.json and exits 0. Waits at most 30 s so a broken test cannot hang.
+CHECKPOINTABLE = [PY, "-c", (
+    "import json, os, signal, sys, time\n"
+    "def on_usr1(signum, frame):\n"
+    "    req = json.load(open(os.environ['WHALEZEN_CHECKPOINT_REQUEST_FILE']))\n"
+    "    json.dump(req, open('checkpoint-done.json', 'w'))\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGUSR1, on_usr1)\n"
+    "open('ready', 'w').close()\n"
+    "deadline = time.time() + 30\n"
+    "while time.time() < deadline: time.sleep(0.02)\n"
+    "sys.exit(3)\n"
+)]
+
+# Runs until stopped; says it is ready first. Exits 0 on SIGTERM (a polite job).
+SLEEPER = [PY, "-c", (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))\n"
+    "open('ready', 'w').close()\n"
+    "deadline = time.time() + 30\n"
+    "while time.time() < deadline: time.sleep(0.02)\n"
+)]
+
+# Ignores SIGTERM: only SIGKILL ends it.
+STUBBORN = [PY, "-c", (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "open('ready', 'w').close()\n"
+    "deadline = time.time() + 30\n"
+    "while time.time() < deadline: time.sleep(0.02)\n"
+)]

@@ -1,0 +1,168 @@
+"""Job processes: environment, GPUs, exit status, stop with grace, checkpoint relay."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.jobs import (
+    CHECKPOINT_REQUEST_FILE,
+    Assignment,
+    AssignmentInvalid,
+    JobRunner,
+    JobStartError,
+    job_environment,
+)
+from tests.agent import jobscripts
+
+
+def assignment(**overrides) -> Assignment:
+    data = {"id": "a1", "job_id": "j1", "epoch": 3, "action": "start", "gpu_indices": [2, 5],
+            "command": jobscripts.WRITE_ENV, "env": {"EPOCHS": "10"}, "checkpoint_uri": "s3://ckpt/j1"}
+    data.update(overrides)
+    return Assignment.from_json(data)
+
+
+def wait_for(condition, *, what: str, runner: JobRunner | None = None, limit_s: float = 20.0):
+    """Poll until `condition()` is truthy; the limit only stops a broken test from hanging."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def test_environment_has_exactly_the_assigned_gpus_and_job_identity(tmp_path):
+    base = {"PATH": "/usr/bin", "HOME": "/root", "WHALEZEN_JOIN_TOKEN": "secret", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    env = job_environment(assignment(), workdir=tmp_path, node_id="n7", base_env=base)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,5"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["WHALEZEN_JOB_ID"] == "j1" and env["WHALEZEN_ASSIGNMENT_ID"] == "a1"
+    assert env["WHALEZEN_EPOCH"] == "3" and env["WHALEZEN_NODE_ID"] == "n7"
+    assert env["WHALEZEN_CHECKPOINT_URI"] == "s3://ckpt/j1"
+    assert env["WHALEZEN_CHECKPOINT_REQUEST_FILE"] == str(tmp_path / CHECKPOINT_REQUEST_FILE)
+    assert env["EPOCHS"] == "10" and env["PATH"] == "/usr/bin"
+    assert "WHALEZEN_JOIN_TOKEN" not in env  # the agent's secrets never reach jobs
+
+
+def test_assignment_env_cannot_override_what_the_agent_sets(tmp_path):
+    a = assignment(env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "WHALEZEN_JOB_ID": "other", "OK": "1"})
+    env = job_environment(a, workdir=tmp_path, node_id=None, base_env={})
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,5" and env["WHALEZEN_JOB_ID"] == "j1" and env["OK"] == "1"
+    assert "WHALEZEN_NODE_ID" not in env
+
+
+def test_job_runs_with_its_environment_and_exit_code_zero(tmp_path):
+    runner = JobRunner(tmp_path, base_env={"PATH": "/usr/bin:/bin"})
+    job = runner.start(assignment(), node_id="n1")
+    assert runner.busy_gpus() == {2, 5}
+    exits = wait_for(runner.poll, what="job exit")
+    assert [(e.assignment_id, e.state, e.exit_code) for e in exits] == [("a1", "exited", 0)]
+    env = json.loads((job.workdir / "env.json").read_text())
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,5" and env["WHALEZEN_JOB_ID"] == "j1"
+    assert Path(env["WHALEZEN_WORK_DIR"]) == job.workdir == tmp_path / "a1"
+    assert runner.running == {} and runner.busy_gpus() == set()
+
+
+def test_non_zero_exit_is_a_failure(tmp_path):
+    runner = JobRunner(tmp_path, base_env={})
+    runner.start(assignment(env={"EXIT_CODE": "7"}), node_id=None)
+    (exit_,) = wait_for(runner.poll, what="job exit")
+    assert (exit_.state, exit_.exit_code, exit_.message) == ("failed", 7, "exited with code 7")
+
+
+def test_shell_string_command_and_log_file(tmp_path):
+    runner = JobRunner(tmp_path, base_env={"PATH": "/usr/bin:/bin"})
+    job = runner.start(assignment(command="echo hello from $WHALEZEN_JOB_ID; exit 4"), node_id=None)
+    (exit_,) = wait_for(runner.poll, what="job exit")
+    assert exit_.exit_code == 4
+    assert (job.workdir / "job.log").read_text() == "hello from j1\n"
+
+
+def test_missing_program_cannot_start(tmp_path):
+    runner = JobRunner(tmp_path, base_env={})
+    with pytest.raises(JobStartError, match="cannot start '/no/such/program'"):
+        runner.start(assignment(command=["/no/such/program"]), node_id=None)
+    assert runner.running == {}
+
+
+def test_stop_sends_sigterm_and_reports_stopped(tmp_path):
+    runner = JobRunner(tmp_path, base_env={})
+    job = runner.start(assignment(command=jobscripts.SLEEPER), node_id=None)
+    wait_for(lambda: (job.workdir / "ready").exists(), what="job ready")
+    runner.stop("a1", reason="stop requested by the broker")
+    (exit_,) = wait_for(runner.poll, what="job exit")
+    assert exit_.state == "stopped" and exit_.exit_code == 0
+    assert exit_.message == "stop requested by the broker (exit code 0)"
+
+
+def test_job_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, clock):
+    runner = JobRunner(tmp_path, base_env={}, stop_grace_s=30, clock=clock)
+    job = runner.start(assignment(command=jobscripts.STUBBORN), node_id=None)
+    wait_for(lambda: (job.workdir / "ready").exists(), what="job ready")
+    runner.stop("a1", reason="fenced")
+    time.sleep(0.2)
+    assert runner.poll() == [] and job.process.poll() is None  # still within its grace period
+    clock.advance(31)
+    (exit_,) = wait_for(runner.poll, what="job killed")
+    assert exit_.state == "stopped" and exit_.exit_code == -9 and "SIGKILL" in exit_.message
+
+
+def test_checkpoint_request_writes_the_file_and_signals_the_job(tmp_path):
+    runner = JobRunner(tmp_path, base_env={})
+    job = runner.start(assignment(command=jobscripts.CHECKPOINTABLE), node_id=None)
+    wait_for(lambda: (job.workdir / "ready").exists(), what="job ready")
+    assert runner.request_checkpoint("a1", request_id="c1", checkpoint_uri=None) == "signalled"
+    assert runner.request_checkpoint("a1", request_id="c1", checkpoint_uri=None) is None  # once only
+    (exit_,) = wait_for(runner.poll, what="job exit after checkpoint")
+    assert exit_.state == "exited"
+    done = json.loads((job.workdir / "checkpoint-done.json").read_text())
+    assert done["request_id"] == "c1" and done["job_id"] == "j1" and done["checkpoint_uri"] == "s3://ckpt/j1"
+
+
+def test_checkpoint_request_never_kills_a_job_without_a_handler(tmp_path):
+    runner = JobRunner(tmp_path, base_env={}, stop_grace_s=0.2)
+    job = runner.start(assignment(command=jobscripts.STUBBORN), node_id=None)
+    wait_for(lambda: (job.workdir / "ready").exists(), what="job ready")
+    assert runner.request_checkpoint("a1", request_id="c1", checkpoint_uri="s3://other") == "file_only"
+    request = json.loads((job.workdir / CHECKPOINT_REQUEST_FILE).read_text())
+    assert request["checkpoint_uri"] == "s3://other"
+    time.sleep(0.2)
+    assert runner.poll() == [] and job.process.poll() is None
+    runner.stop_all(reason="test over")
+
+
+def test_stop_all_ends_every_job(tmp_path):
+    runner = JobRunner(tmp_path, base_env={}, stop_grace_s=0.5)
+    runner.start(assignment(id="a1", command=jobscripts.SLEEPER), node_id=None)
+    runner.start(assignment(id="a2", gpu_indices=[0], command=jobscripts.STUBBORN), node_id=None)
+    exits = runner.stop_all(reason="agent shutting down")
+    assert sorted((e.assignment_id, e.state) for e in exits) == [("a1", "stopped"), ("a2", "stopped")]
+    assert runner.running == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"id": None}, "missing or bad field"),
+        ({"epoch": "x"}, "missing or bad field"),
+        ({"action": "explode"}, "unknown action"),
+        ({"gpu_indices": [1, 1]}, "twice"),
+        ({"gpu_indices": [-1]}, "list of GPU indices"),
+        ({"gpu_uuids": ["GPU-1"]}, "one UUID per entry"),
+        ({"command": []}, "non-empty"),
+        ({"env": {"A": 1}}, "string values"),
+    ],
+)
+def test_invalid_assignments_are_explained(change, fragment):
+    data = {"id": "a1", "job_id": "j1", "epoch": 1, "gpu_indices": [0, 1], "command": ["true"]}
+    data.update(change)
+    if data["id"] is None:
+        del data["id"]
+    with pytest.raises(AssignmentInvalid) as err:
+        Assignment.from_json(data)
+    assert fragment in str(err.value)
