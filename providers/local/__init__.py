@@ -1,0 +1,4 @@
+"""Local provider: node agents as processes with fake GPUs; a simulated cloud."""
+from providers.local.provider import DEFAULT_SHAPES, CloudSimulation, LocalProvider, LocalShape, agent_command
+
+__all__ = ["DEFAULT_SHAPES", "CloudSimulation", "LocalProvider", "LocalShape", "agent_command"]

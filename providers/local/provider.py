@@ -1,0 +1,296 @@
+"""The local provider: node agents as local processes with fake GPUs, so the whole system runs
+on one machine; optionally it behaves like a cloud (launch latency, capacity errors, spot
+interruptions) for demos and tests.
+
+State lives in `state_dir/instances/<id>.json` (pid, process start time, request key), so
+`list_owned` and `terminate` keep working after the broker restarts.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from providers.base import (
+    ErrorKind,
+    InstanceInfo,
+    InstanceRef,
+    InstanceState,
+    Offer,
+    Provider,
+    ProviderError,
+    ProvisionRequest,
+    tags_tuple,
+)
+from providers.local import processes
+
+
+@dataclass(frozen=True)
+class LocalShape:
+    """A node shape the local provider can start. `fake_gpus` is the agent's --fake-gpus spec."""
+
+    instance_type: str
+    fake_gpus: str
+    gpu_model: str
+    gpu_count: int
+    gpu_memory_mib: int
+    vcpus: float
+    memory_gib: float
+    price_per_hour: float = 0.0
+    spot_price_per_hour: float | None = None
+    fabric: tuple[str, ...] = ()
+
+
+DEFAULT_SHAPES: tuple[LocalShape, ...] = (
+    LocalShape("local-8xA100-80GB-SXM", "8xA100-80GB-SXM", "A100-80GB", 8, 81920, 96, 1024, fabric=("nvlink",)),
+    LocalShape("local-8xH100-80GB-SXM", "8xH100-80GB-SXM", "H100", 8, 81559, 192, 2048, fabric=("nvlink",)),
+    LocalShape("local-4xT4", "4xT4", "T4", 4, 15360, 48, 192),
+    LocalShape("local-1xL4", "1xL4", "L4", 1, 23034, 12, 48),
+)
+
+
+@dataclass(frozen=True)
+class CloudSimulation:
+    """How much the local provider should behave like a real cloud. All randomness comes from
+    one RNG seeded with `seed`, so a demo or test run is repeatable."""
+
+    launch_latency_s: float = 0.0  # describe() says PENDING this long after provision()
+    capacity_error_probability: float = 0.0
+    forced_capacity_errors: frozenset[tuple[str, str]] = frozenset()  # (zone, instance_type); "*" = any
+    spot_interruption_probability: float = 0.0  # per spot instance per tick()
+    seed: int = 0
+
+
+CommandFactory = Callable[[ProvisionRequest, str, LocalShape], Sequence[str]]
+
+
+def agent_command(python: str) -> CommandFactory:
+    """`<python> -m agent --server URL --join-token TOKEN --fake-gpus SPEC --name NAME`."""
+
+    def build(request: ProvisionRequest, name: str, shape: LocalShape) -> list[str]:
+        return [python, "-m", "agent", "--server", request.agent_server_url, "--join-token",
+                request.agent_join_token, "--fake-gpus", shape.fake_gpus, "--name", name]
+
+    return build
+
+
+@dataclass
+class _Record:
+    instance_id: str
+    broker_id: str
+    request_key: str
+    allocation_id: str
+    instance_type: str
+    region: str
+    zone: str
+    spot: bool
+    name: str
+    pid: int
+    pid_start: int | None
+    created_at: float
+    ready_at: float
+    state: str = "running"  # running | terminated
+    state_reason: str = ""
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class LocalProvider(Provider):
+    kind = "local"
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        state_dir: str | os.PathLike[str],
+        shapes: Sequence[LocalShape] = DEFAULT_SHAPES,
+        region: str = "local",
+        zones: Sequence[str] = ("local-a",),
+        python: str = sys.executable,
+        command_factory: CommandFactory | None = None,
+        simulation: CloudSimulation = CloudSimulation(),
+        env: Mapping[str, str] | None = None,
+        stop_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(broker_id=broker_id)
+        self.state_dir = Path(state_dir)
+        self.shapes = {s.instance_type: s for s in shapes}
+        self.region = region
+        self.zones = list(zones)
+        self.command_factory = command_factory or agent_command(python)
+        self.simulation = simulation
+        self.env = env
+        self.stop_timeout_s = stop_timeout_s
+        self._clock = clock
+        self._rng = random.Random(simulation.seed)
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        (self.state_dir / "instances").mkdir(parents=True, exist_ok=True)
+
+    # -- state files ---------------------------------------------------------------------
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One writer at a time, across processes (two broker workers may share a state dir)."""
+        with (self.state_dir / ".lock").open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _path(self, instance_id: str) -> Path:
+        return self.state_dir / "instances" / f"{instance_id}.json"
+
+    def _save(self, record: _Record) -> None:
+        path = self._path(record.instance_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record.__dict__, sort_keys=True))
+        os.replace(tmp, path)  # atomic: a crash never leaves half a record
+
+    def _load(self, instance_id: str) -> _Record | None:
+        try:
+            return _Record(**json.loads(self._path(instance_id).read_text()))
+        except FileNotFoundError:
+            return None
+
+    def _records(self) -> list[_Record]:
+        records = []
+        for path in sorted((self.state_dir / "instances").glob("*.json")):
+            try:
+                records.append(_Record(**json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError):
+                continue  # a foreign or damaged file is not ours to act on
+        return [r for r in records if r.broker_id == self.broker_id]
+
+    def _info(self, record: _Record) -> InstanceInfo:
+        processes.reap(self._children)
+        if record.state == "running" and not processes.is_alive(record.pid, record.pid_start):
+            # The agent process is gone (crashed, killed): for a simulated cloud that is a lost
+            # instance, and we know for sure it is not running any more.
+            record.state, record.state_reason = "terminated", record.state_reason or "process-exited"
+            self._save(record)
+        if record.state == "terminated":
+            state = InstanceState.TERMINATED
+        elif self._clock() < record.ready_at:
+            state = InstanceState.PENDING
+        else:
+            state = InstanceState.RUNNING
+        return InstanceInfo(
+            ref=InstanceRef(provider="local", region=record.region, zone=record.zone, instance_id=record.instance_id),
+            state=state,
+            instance_type=record.instance_type,
+            spot=record.spot,
+            request_key=record.request_key,
+            launched_at=datetime.fromtimestamp(record.created_at, tz=timezone.utc),
+            private_ip="127.0.0.1",
+            tags=tags_tuple(record.tags),
+            state_reason=record.state_reason,
+        )
+
+    # -- the contract --------------------------------------------------------------------
+    def list_offers(self) -> list[Offer]:
+        return [
+            Offer(provider="local", region=self.region, zone=zone, instance_type=s.instance_type,
+                  gpu_model=s.gpu_model, gpu_count=s.gpu_count, gpu_memory_mib=s.gpu_memory_mib, vcpus=s.vcpus,
+                  memory_gib=s.memory_gib, on_demand_per_hour=s.price_per_hour, spot_per_hour=s.spot_price_per_hour,
+                  fabric=s.fabric)
+            for zone in self.zones
+            for s in self.shapes.values()
+        ]
+
+    def _simulated_capacity_error(self, zone: str, instance_type: str) -> bool:
+        forced = self.simulation.forced_capacity_errors
+        if {(zone, instance_type), ("*", instance_type), (zone, "*"), ("*", "*")} & forced:
+            return True
+        return self._rng.random() < self.simulation.capacity_error_probability
+
+    def provision(self, request: ProvisionRequest) -> InstanceInfo:
+        shape = self.shapes.get(request.instance_type)
+        if shape is None:
+            raise ProviderError(ErrorKind.BAD_REQUEST, f"unknown local shape {request.instance_type}; "
+                                f"known: {sorted(self.shapes)}", provider="local")
+        zone = request.zone or self.zones[0]
+        if zone not in self.zones:
+            raise ProviderError(ErrorKind.BAD_REQUEST, f"unknown local zone {zone}", provider="local")
+        with self._locked():
+            for record in self._records():
+                if record.request_key == request.request_key:
+                    return self._info(record)  # same key, same instance
+            if self._simulated_capacity_error(zone, request.instance_type):
+                raise ProviderError(ErrorKind.CAPACITY, f"simulated: no {request.instance_type} capacity in {zone}",
+                                    provider="local", code="SimulatedInsufficientCapacity")
+            instance_id = f"local-{uuid.uuid4().hex[:12]}"
+            name = request.node_name or instance_id
+            process = processes.spawn(
+                self.command_factory(request, name, shape),
+                log_path=self.state_dir / "logs" / f"{instance_id}.log",
+                env=self.env,
+            )
+            self._children[process.pid] = process
+            now = self._clock()
+            record = _Record(
+                instance_id=instance_id, broker_id=self.broker_id, request_key=request.request_key,
+                allocation_id=request.allocation_id, instance_type=request.instance_type, region=self.region,
+                zone=zone, spot=request.spot, name=name, pid=process.pid,
+                pid_start=processes.process_start_time(process.pid), created_at=now,
+                ready_at=now + self.simulation.launch_latency_s,
+                tags=self.broker_tags(request, created_at=datetime.fromtimestamp(now, tz=timezone.utc)),
+            )
+            self._save(record)
+        return self._info(record)
+
+    def describe(self, ref: InstanceRef) -> InstanceInfo:
+        record = self._load(ref.instance_id)
+        if record is None or record.broker_id != self.broker_id:
+            return InstanceInfo(ref=ref, state=InstanceState.TERMINATED, state_reason="not-found")
+        return self._info(record)
+
+    def terminate(self, ref: InstanceRef, *, reason: str = "terminated") -> InstanceInfo:
+        with self._locked():
+            record = self._load(ref.instance_id)
+            if record is None or record.broker_id != self.broker_id:
+                return InstanceInfo(ref=ref, state=InstanceState.TERMINATED, state_reason="not-found")
+            if record.state != "terminated":
+                if not processes.stop(record.pid, record.pid_start, timeout_s=self.stop_timeout_s,
+                                      children=self._children):
+                    return InstanceInfo(ref=ref, state=InstanceState.TERMINATING)
+                record.state, record.state_reason = "terminated", reason
+                self._save(record)
+            return self._info(record)
+
+    def list_owned(self) -> list[InstanceInfo]:
+        return [self._info(r) for r in self._records()]
+
+    # -- cloud simulation ----------------------------------------------------------------
+    def interrupt(self, ref: InstanceRef) -> InstanceInfo:
+        """Simulate a spot interruption of one instance: its agent is killed and it is gone."""
+        return self.terminate(ref, reason="spot-interruption")
+
+    def tick(self) -> list[InstanceInfo]:
+        """One step of the simulated spot market: each running spot instance is interrupted
+        with `spot_interruption_probability`. Returns the interrupted instances."""
+        interrupted = []
+        for info in self.list_owned():
+            if info.spot and info.state is not InstanceState.TERMINATED:
+                if self._rng.random() < self.simulation.spot_interruption_probability:
+                    interrupted.append(self.interrupt(info.ref))
+        return interrupted
+
+    def prune(self, *, older_than_s: float) -> int:
+        """Forget terminated instances older than `older_than_s` (their state files)."""
+        removed = 0
+        with self._locked():
+            for record in self._records():
+                if record.state == "terminated" and self._clock() - record.created_at > older_than_s:
+                    self._path(record.instance_id).unlink(missing_ok=True)
+                    removed += 1
+        return removed
