@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from google.api_core import exceptions as gexc
+from google.auth import exceptions as auth_exc
 
 from providers.base import ErrorKind, ProviderError
 
@@ -43,6 +44,10 @@ def _reasons(exc: gexc.GoogleAPICallError) -> set[str]:
 
 def map_api_error(exc: Exception) -> ProviderError:
     name = type(exc).__name__
+    if isinstance(exc, auth_exc.GoogleAuthError) and not isinstance(exc, auth_exc.TransportError):
+        # Credentials missing, expired or refused on refresh. The message may name the
+        # credential source; we keep only the class name.
+        return ProviderError(ErrorKind.AUTH, f"GCP credentials rejected ({name})", provider="gcp", code=name)
     if isinstance(exc, gexc.GoogleAPICallError):
         reasons = _reasons(exc)
         message = exc.message or name
