@@ -235,3 +235,49 @@ def fgd_score(delta_milli: float | np.ndarray) -> np.ndarray:
     """
     x = -np.asarray(delta_milli, dtype=np.float64) / MILLI
     return np.floor(100.0 / (1.0 + np.exp(-x))).astype(np.int64)
+
+
+def fluid_fragmentation_batch(
+    gpu_free: np.ndarray,
+    cpu_free: np.ndarray,
+    workload: Workload,
+    mem_free: np.ndarray | None = None,
+    access: np.ndarray | None = None,
+) -> np.ndarray:
+    """Multi-task variant of the measure (WhaleZen's): GPU capacity class m leaves unused if the
+    node were filled with class-m tasks only, until a resource runs out.
+
+    FGD asks whether *one* more task of class m fits; this asks how much GPU ``n`` such tasks can
+    use, with ``n`` limited by the GPUs (whole GPUs per task, or shares per GPU) and by CPU and
+    memory (``floor(cpu_free / cpu_m)`` tasks at most).  A node whose GPUs are free but whose CPU
+    is nearly gone now counts as fragmented for CPU-hungry classes even if one task still fits.
+    Same arguments and units as :func:`fragmentation_batch`.
+    """
+    g = np.asarray(gpu_free, dtype=np.int64)
+    cpu = np.asarray(cpu_free, dtype=np.int64)
+    total = g.sum(axis=1).astype(np.float64)
+    if not workload.classes:
+        return np.zeros(len(g))
+    milli = workload.gpu_milli
+    num = workload.num_gpu
+    safe_milli = np.maximum(milli, 1)
+    # tasks of class k that the GPUs alone could take, and the GPU they would use
+    whole = milli >= MILLI
+    per_gpu = np.where(whole[None, None, :] & False, 0, g[:, :, None] // safe_milli[None, None, :])  # (N, G, K)
+    share_tasks = per_gpu.sum(axis=1)  # (N, K) shares for fractional classes
+    full_free = (g >= MILLI).sum(axis=1)  # (N,)
+    whole_tasks = full_free[:, None] // np.maximum(num[None, :], 1)
+    n_gpu = np.where(whole[None, :], whole_tasks, share_tasks // np.maximum(num[None, :], 1))
+    n = n_gpu.astype(np.float64)
+    cpu_k = workload.cpu
+    n = np.where(cpu_k[None, :] > 0, np.minimum(n, cpu[:, None] // np.maximum(cpu_k[None, :], 1)), n)
+    if mem_free is not None:
+        mem = np.asarray(mem_free, dtype=np.int64)
+        mem_k = workload.mem
+        n = np.where(mem_k[None, :] > 0, np.minimum(n, mem[:, None] // np.maximum(mem_k[None, :], 1)), n)
+    usable = n * (milli * num)[None, :]
+    ok = milli[None, :] > 0
+    if access is not None:
+        ok = ok & access
+    frag = np.where(ok, total[:, None] - usable, total[:, None])
+    return frag @ workload.weights

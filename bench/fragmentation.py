@@ -1,0 +1,176 @@
+"""Fragmentation benchmark: the FGD paper's protocol on the Alibaba GPU cluster.
+
+    python -m bench.fragmentation --nodes ../shared/data/alibaba-gpu-v2023/openb_node_list_gpu_node.csv \
+        --pods ../shared/data/alibaba-gpu-v2023/openb_pod_list_default.csv --seeds 10 --json
+
+Per seed (42, 43, ...): shuffle the task list, append random clones until the next one would pass
+130% of GPU capacity, place tasks one by one (a task that fits nowhere is dropped but its demand
+counts as arrived), record allocation after every arrival.  Reports, mean over seeds, the
+allocation at 100% and 130% arrived demand and the GPUs left unallocated at 130%, for
+whalezen-online, whalezen-broker and every baseline, plus an LP upper bound.  Every policy sees
+the same arrivals for a seed; the per-node tie-break priority is drawn from the seed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from bench.loaders import read_nodes, read_tasks
+from scheduling.fragmentation import workload_from_tasks
+from scheduling.sim.broker import run_broker
+from scheduling.sim.cluster import MILLI, ArrayCluster, TaskSpec
+from scheduling.sim.protocol import ProtocolRun, build_arrivals, run_online
+from scheduling.sim.registry import ONLINE_POLICIES, make_policy
+from scheduling.sim.upper_bound import allocation_upper_bound
+
+BROKER = "whalezen-broker"
+ALL_POLICIES = (ONLINE_POLICIES[0], BROKER) + ONLINE_POLICIES[1:]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.fragmentation", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", required=True, help="node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
+    p.add_argument("--pods", required=True, help="task list CSV (openb_pod_list_*.csv)")
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--first-seed", type=int, default=42, help="the published runs use 42..51")
+    p.add_argument("--target", type=float, default=1.3, help="arrived demand to stop at (1.3 = 130%%)")
+    p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated names")
+    p.add_argument("--broker-every", type=int, default=64, help="whalezen-broker: arrivals per cycle")
+    p.add_argument("--broker-moves", type=int, default=8, help="whalezen-broker: migrations per cycle")
+    p.add_argument("--no-bound", action="store_true", help="skip the LP upper bound")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--placements-out", help="CSV of whalezen-online's placements for the first seed")
+    p.add_argument("--out", help="folder for the allocation-curve PNG")
+    p.add_argument("--published", help="fgd_allo.csv to overlay the published curves on the plot")
+    return p.parse_args(argv)
+
+
+def summarise(runs: list[ProtocolRun], total_gpus: float, target_pct: int) -> dict[str, float]:
+    a100 = float(np.mean([r.alloc_at(100) for r in runs]))
+    a130 = float(np.mean([r.alloc_at(target_pct) for r in runs]))
+    return {"alloc_at_100": round(a100, 2), "alloc_at_130": round(a130, 2),
+            "unallocated_at_130": round(total_gpus * (1 - a130 / 100), 1),
+            "dropped_tasks": round(float(np.mean([r.dropped for r in runs])), 1)}
+
+
+def mean_curve(runs: list[ProtocolRun]) -> dict[int, float]:
+    curves = [r.curve() for r in runs]
+    keys = sorted(set().union(*curves))
+    return {k: float(np.mean([c[k] for c in curves if k in c])) for k in keys}
+
+
+def write_placements(path: str, run: ProtocolRun, names: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["name", "node", "gpus"])
+        for task, node, gpus in run.placements:
+            w.writerow([task, names[node], ";".join(str(g) for g in gpus)])
+
+
+def published_curves(path: str, pods: str) -> dict[str, dict[int, float]]:
+    """Mean published curve per policy for the task list named like ``pods``."""
+    workload = Path(pods).stem
+    rows: dict[str, list[list[float]]] = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["workload"] == workload:
+                rows.setdefault(r["sc_policy"], []).append([float(r[str(i)]) for i in range(131)])
+    return {k: dict(enumerate(np.mean(v, axis=0).tolist())) for k, v in rows.items()}
+
+
+def plot(out: str, curves: dict[str, dict[int, float]], published: dict[str, dict[int, float]],
+         title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, c in curves.items():
+        xs = sorted(c)
+        for a in (ax, zoom):
+            a.plot(xs, [c[x] for x in xs], label=name, lw=2 if name.startswith("whalezen") else 1)
+    for name, c in published.items():
+        if name.endswith(("BestFit", "FGD")):
+            xs = sorted(c)
+            for a in (ax, zoom):
+                a.plot(xs, [c[x] for x in xs], ls="--", color="grey", label=f"published {name}")
+    ax.plot([0, 130], [0, 130], ls=":", color="black", lw=0.8)
+    ax.set(xlabel="arrived GPU demand (% of capacity)", ylabel="GPU allocation (%)", title=title)
+    zoom.set(xlim=(85, 131), ylim=(84, 100), xlabel="arrived GPU demand (%)", title="zoom")
+    zoom.legend(fontsize=7, loc="lower right")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path = str(Path(out) / "fragmentation_alloc.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    nodes = read_nodes(args.nodes)
+    tasks = read_tasks(args.pods)
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    workload = workload_from_tasks(
+        [(t.cpu_milli, t.memory_mib, t.gpu_milli, t.num_gpu, t.gpu_models) for t in tasks])
+    cluster = ArrayCluster(nodes)
+    total_gpus = cluster.total_gpu_milli / MILLI
+    target_pct = int(round(args.target * 100))
+    runs: dict[str, list[ProtocolRun]] = {n: [] for n in names}
+    seconds: dict[str, float] = {n: 0.0 for n in names}
+    bounds: list[float] = []
+    for i in range(args.seeds):
+        seed = args.first_seed + i
+        arrivals: list[TaskSpec] = build_arrivals(tasks, cluster.total_gpu_milli,
+                                                  np.random.default_rng(seed), args.target)
+        for name in names:
+            rng = np.random.default_rng([seed, 1])
+            t0 = time.perf_counter()
+            record = bool(args.placements_out) and i == 0 and name == "whalezen-online"
+            if name == BROKER:
+                run = run_broker(cluster, arrivals, workload, rng, every=args.broker_every,
+                                 max_moves=args.broker_moves)
+            else:
+                run = run_online(cluster, arrivals, make_policy(name, workload), rng, record)
+            seconds[name] += time.perf_counter() - t0
+            runs[name].append(run)
+            if record:
+                write_placements(args.placements_out, run, cluster.names)
+        if not args.no_bound:
+            bounds.append(allocation_upper_bound(nodes, arrivals))
+        print(f"seed {seed}: " + ", ".join(
+            f"{n} {runs[n][-1].alloc_at(target_pct):.2f}%" for n in names), file=sys.stderr, flush=True)
+    result: dict = {"total_gpus": int(total_gpus), "seeds": args.seeds,
+                    "pods": Path(args.pods).name,
+                    "upper_bound_unallocated_at_130": (
+                        round(total_gpus - float(np.mean(bounds)) / MILLI, 1) if bounds else None),
+                    "policies": {n: summarise(runs[n], total_gpus, target_pct) for n in names}}
+    for n in names:
+        result["policies"][n]["seconds_per_seed"] = round(seconds[n] / max(args.seeds, 1), 2)
+    print(f"{'policy':<18}{'alloc@100':>10}{'alloc@130':>10}{'unalloc GPUs':>14}{'s/seed':>8}")
+    for n in names:
+        s = result["policies"][n]
+        print(f"{n:<18}{s['alloc_at_100']:>10.2f}{s['alloc_at_130']:>10.2f}"
+              f"{s['unallocated_at_130']:>14.1f}{s['seconds_per_seed']:>8.2f}")
+    print(f"LP upper bound: at least {result['upper_bound_unallocated_at_130']} GPUs unallocated")
+    if args.out:
+        pub = published_curves(args.published, args.pods) if args.published else {}
+        path = plot(args.out, {n: mean_curve(runs[n]) for n in names}, pub,
+                    f"{Path(args.pods).stem}, mean of {args.seeds} seeds")
+        print(f"plot: {path}")
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
