@@ -48,6 +48,7 @@ INSTALLED_APPS = [
     "broker.tenancy",
     "broker.inventory",
     "broker.jobs",
+    "broker.scheduler",
 ]
 
 MIDDLEWARE = [
@@ -185,10 +186,15 @@ else:
         "store_processed": False,
     }
 CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("WHALEZEN_QUEUE", "whalezen")
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_TIME_LIMIT = 600
 CELERY_TASK_SOFT_TIME_LIMIT = 540
 CELERY_TASK_IGNORE_RESULT = True
+WHALEZEN_CYCLE_SECONDS = float(os.environ.get("WHALEZEN_CYCLE_SECONDS", 5))
+CELERY_BEAT_SCHEDULE = {
+    "scheduling-sweep": {"task": "scheduler.sweep", "schedule": WHALEZEN_CYCLE_SECONDS},
+}
 
 LOGGING = {
     "version": 1,

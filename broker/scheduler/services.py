@@ -1,0 +1,143 @@
+"""The scheduling cycle as the broker runs it: snapshot → `scheduling.schedule` → commit the plan.
+
+Each step of the commit is its own transaction through the job services, so a plan made from a
+snapshot that went stale (a job cancelled, a GPU taken meanwhile) loses only the conflicting parts;
+they are simply reconsidered next cycle.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from broker.inventory.models import Node
+from broker.jobs.models import Job
+from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_set_pending_reason, job_transition
+from broker.jobs.states import JobState
+from broker.scheduler.models import CycleLease, CycleRecord
+from broker.scheduler.snapshot import tenant_snapshot
+from broker.tenancy.models import Tenant
+from scheduling import model as sm
+from scheduling.engine import schedule
+
+log = logging.getLogger(__name__)
+LEASE_SECONDS = 120
+# Moves need the checkpoint/migration state machine on the agents; until then the broker asks the
+# engine for placements and preemptions only.
+BROKER_POLICY = sm.Policy(defragmentation=False, time_limit_s=2.0)
+
+
+@dataclass
+class CycleOutcome:
+    ran: bool
+    placed: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    plan: sm.Plan | None = None
+
+
+def _lease_acquire(tenant: Tenant, holder: str) -> int | None:
+    """Take the tenant's cycle lease if free or expired; the cycle number, or None when another runs."""
+    now = timezone.now()
+    CycleLease.objects.get_or_create(tenant=tenant)
+    taken = CycleLease.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__lt=now), tenant=tenant).update(
+        holder=holder, expires_at=now + timedelta(seconds=LEASE_SECONDS), cycles=F("cycles") + 1)
+    if not taken:
+        return None
+    return CycleLease.objects.get(tenant=tenant).cycles
+
+
+def _lease_release(tenant: Tenant, holder: str) -> None:
+    CycleLease.objects.filter(tenant=tenant, holder=holder).update(expires_at=None, holder="")
+
+
+def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -> CycleOutcome:
+    holder = uuid.uuid4().hex
+    cycle_number = _lease_acquire(tenant, holder)
+    if cycle_number is None:
+        return CycleOutcome(ran=False)
+    try:
+        snapshot = tenant_snapshot(tenant=tenant, seed=cycle_number)
+        if not snapshot.pending:
+            return CycleOutcome(ran=True)
+        plan = schedule(snapshot, policy)
+        outcome = plan_commit(tenant=tenant, plan=plan)
+        CycleRecord.objects.create(
+            tenant=tenant, pending_jobs=len(snapshot.pending), placed_jobs=len(outcome.placed),
+            preempted_jobs=len(outcome.preempted), conflicts=len(outcome.conflicts), method=plan.solver.method,
+            proven_optimal=plan.solver.proven_optimal, solve_seconds=plan.solver.solve_seconds,
+            objective=plan.solver.objective, note="; ".join(outcome.conflicts)[:2000],
+        )
+        return outcome
+    finally:
+        _lease_release(tenant, holder)
+
+
+def plan_commit(*, tenant: Tenant, plan: sm.Plan) -> CycleOutcome:
+    outcome = CycleOutcome(ran=True, plan=plan)
+    jobs = {str(j.pk): j for j in Job.objects.filter(tenant=tenant, pk__in=_job_ids(plan))}
+    nodes = {str(n.pk): n for n in Node.objects.filter(tenant=tenant)}
+
+    for preemption in plan.preemptions:
+        victim = jobs.get(preemption.victim_job_id)
+        if victim is None:
+            continue
+        try:
+            with transaction.atomic():
+                victim = job_transition(job=victim, to=JobState.PREEMPTED, reason_code="PREEMPTED",
+                                        message=f"Preempted for job {preemption.for_job_id}; "
+                                                f"{preemption.lost_work_s:,.0f} s of work since its last checkpoint.",
+                                        data={"for_job": preemption.for_job_id, "lost_work_s": preemption.lost_work_s})
+                job_transition(job=victim, to=JobState.PENDING, reason_code="REQUEUED",
+                               message="Re-queued after preemption.")
+            outcome.preempted.append(victim.pk)
+        except JobError as exc:
+            outcome.conflicts.append(f"preempt {preemption.victim_job_id}: {exc}")
+
+    for placement in plan.placements:
+        job = jobs.get(placement.job_id)
+        if job is None or any(part.node_id is None for part in placement.parts):
+            # Launch placements need cloud provisioning, wired by the providers/workers issues.
+            continue
+        requests = [GpuRequest(node=nodes[part.node_id], gpu_indices=part.gpu_indices, milli=part.gpu_milli)
+                    for part in placement.parts if part.node_id in nodes]
+        if len(requests) != len(placement.parts):
+            outcome.conflicts.append(f"job {job.pk}: a node of the plan is not this tenant's")
+            continue
+        try:
+            allocation_commit(job=job, requests=requests)
+            outcome.placed.append(job.pk)
+        except JobError as exc:
+            outcome.conflicts.append(f"job {job.pk}: {exc}")
+
+    for job_id, reason in plan.pending.items():
+        job = jobs.get(job_id)
+        if job is not None:
+            job_set_pending_reason(job=job, code=reason.code.value, message=reason.message,
+                                   data=_json_safe(dict(reason.data)))
+    return outcome
+
+
+def _job_ids(plan: sm.Plan) -> set[int]:
+    ids = {p.job_id for p in plan.placements} | set(plan.pending)
+    ids |= {p.victim_job_id for p in plan.preemptions}
+    return {int(i) for i in ids if str(i).isdigit()}
+
+
+def _json_safe(value):
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def tenants_with_pending_jobs() -> list[Tenant]:
+    return list(Tenant.objects.filter(jobs__state=JobState.PENDING).distinct())

@@ -1,0 +1,148 @@
+"""Selector: turn one tenant's slice of the database into a `scheduling.Snapshot`.
+
+Tenants never share nodes, so each tenant is scheduled on its own: its ONLINE nodes, its running
+allocations, its pending jobs, its quota and month-to-date spend.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+
+from django.db.models import Count, Prefetch, Sum
+from django.utils import timezone
+
+from broker.inventory.models import Gpu, GpuHealth, GpuModel, Node, NodeState
+from broker.jobs.models import Allocation, AllocationSlice, Checkpoint, CheckpointState, Job
+from broker.jobs.states import ACTIVE_STATES, JobState
+from broker.scheduler.spend import month_to_date_spend
+from broker.tenancy.models import Quota, Tenant
+from scheduling import model as sm
+
+MILLI_PER_SLOT = 1000 // Gpu.SLOTS
+DEFAULT_RESTART_COST_S = 120.0
+# Fabric labels an admin (or a cloud provider) sets on nodes that may run multi-node gangs.
+FAST_FABRIC_LABELS = {"infiniband", "efa", "roce", "gpudirect-tcpx"}
+
+
+def _ts(value: datetime | None) -> float:
+    return value.timestamp() if value else 0.0
+
+
+def job_demand(job: Job) -> sm.JobDemand:
+    return sm.JobDemand(
+        job_id=str(job.pk),
+        tenant=job.tenant.slug,
+        gpus=job.gpu_count * job.node_count,
+        compute_units=float(job.compute_units) if job.compute_units is not None else None,
+        gpu_milli=job.gpu_milli,
+        allowed_models=tuple(job.gpu_models),
+        min_gpu_memory_mb=job.min_gpu_memory_gb * 1024,
+        interconnect=job.interconnect,
+        nodes=job.node_count,
+        cpu_milli=job.cpu_milli,
+        memory_mb=job.memory_mb,
+        spot=job.spot,
+        max_price_per_hour=float(job.max_price_per_hour) if job.max_price_per_hour is not None else None,
+        priority=job.priority,
+        preemptible=job.preemptible,
+        expected_duration_hours=job.expected_duration_hours or 1.0,
+        providers=tuple(job.spec.get("placement", {}).get("providers", ())),
+        regions=tuple(job.spec.get("placement", {}).get("regions", ())),
+        job_family=str(job.spec.get("env", {}).get("JOB_FAMILY", "")),
+        submitted_at=_ts(job.created_at),
+    )
+
+
+def _gpu_state(gpu: Gpu, slots_used: int) -> sm.GpuState:
+    milli_used = min(1000, slots_used * MILLI_PER_SLOT)
+    return sm.GpuState(
+        index=gpu.index, uuid=gpu.uuid or f"gpu-{gpu.pk}",
+        model=gpu.model.name if gpu.model else gpu.model_name,
+        memory_mb=gpu.memory_mb,
+        free_memory_mb=gpu.memory_mb - (gpu.memory_mb * milli_used) // 1000,
+        nvlink_island=gpu.nvlink_island, healthy=gpu.health != GpuHealth.FAILED, milli_used=milli_used,
+    )
+
+
+def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = None) -> sm.Snapshot:
+    now = now or timezone.now()
+    slots_by_gpu: dict[int, int] = defaultdict(int)
+    for gpu_id in AllocationSlice.objects.filter(active=True, gpu__node__tenant=tenant).values_list("gpu_id", flat=True):
+        slots_by_gpu[gpu_id] += 1
+
+    allocations = list(
+        Allocation.objects.filter(active=True, node__tenant=tenant, job__state__in=ACTIVE_STATES)
+        .select_related("job", "job__tenant")
+        .prefetch_related(Prefetch("slices", queryset=AllocationSlice.objects.filter(active=True).select_related("gpu")))
+    )
+    used_cpu: dict[int, int] = defaultdict(int)
+    used_mem: dict[int, int] = defaultdict(int)
+    for alloc in allocations:
+        used_cpu[alloc.node_id] += alloc.job.cpu_milli
+        used_mem[alloc.node_id] += alloc.job.memory_mb
+
+    nodes = []
+    for node in Node.objects.filter(tenant=tenant).select_related("pool").prefetch_related(
+            Prefetch("gpus", queryset=Gpu.objects.select_related("model").order_by("index"))):
+        fabric = str(node.labels.get("fabric", "")).lower()
+        nodes.append(sm.NodeState(
+            id=str(node.pk), name=node.name,
+            gpus=tuple(_gpu_state(g, slots_by_gpu[g.pk]) for g in node.gpus.all()),
+            cpu_milli=node.cpu_milli, memory_mb=node.memory_mb,
+            free_cpu_milli=max(0, node.cpu_milli - used_cpu[node.pk]),
+            free_memory_mb=max(0, node.memory_mb - used_mem[node.pk]),
+            pool=node.pool.name, provider=node.pool.kind, region=node.pool.region,
+            labels={str(k): str(v) for k, v in node.labels.items()},
+            state="ready" if node.state == NodeState.ONLINE and node.pool.enabled else node.state.lower(),
+            price_per_gpu_hour=float(node.pool.gpu_hour_rate_usd),
+            fast_fabric=fabric in FAST_FABRIC_LABELS,
+        ))
+
+    latest_checkpoint: dict[int, datetime] = {}
+    for job_id, committed_at in (Checkpoint.objects.filter(job__tenant=tenant, state=CheckpointState.COMMITTED)
+                                 .order_by("job_id", "committed_at").values_list("job_id", "committed_at")):
+        latest_checkpoint[job_id] = committed_at
+    running = []
+    for alloc in allocations:
+        job = alloc.job
+        slices = list(alloc.slices.all())
+        indices = tuple(sorted({s.gpu.index for s in slices}))
+        slots_per_gpu = len(slices) // max(1, len(indices))
+        started = job.started_at or alloc.created_at
+        ckpt = latest_checkpoint.get(job.pk)
+        running.append(sm.RunningAllocation(
+            job_id=str(job.pk), node_id=str(alloc.node_id), gpu_indices=indices,
+            gpu_milli=min(1000, slots_per_gpu * MILLI_PER_SLOT), tenant=tenant.slug, priority=job.priority,
+            preemptible=job.preemptible, checkpointable=bool(job.spec.get("checkpoint")),
+            run_seconds=max(0.0, (now - started).total_seconds()),
+            checkpoint_age_s=(now - ckpt).total_seconds() if ckpt else None,
+            restart_cost_s=DEFAULT_RESTART_COST_S, cpu_milli=job.cpu_milli, memory_mb=job.memory_mb,
+            demand=job_demand(job) if job.preemptible and job.spec.get("checkpoint") else None,
+        ))
+
+    pending = tuple(job_demand(j) for j in Job.objects.filter(tenant=tenant, state=JobState.PENDING)
+                    .select_related("tenant").order_by("created_at", "id"))
+    return sm.Snapshot(
+        now=now.timestamp(), nodes=tuple(nodes), pending=pending, running=tuple(running),
+        tenants=(tenant_budget(tenant=tenant, now=now),),
+        gpu_models=tuple(sm.GpuModelInfo(m.name, float(m.compute_units), m.memory_gb * 1024)
+                         for m in GpuModel.objects.all()),
+        seed=seed,
+    )
+
+
+def tenant_budget(*, tenant: Tenant, now: datetime) -> sm.TenantBudget:
+    quota = Quota.objects.filter(tenant=tenant).first()
+    held = AllocationSlice.objects.filter(active=True, allocation__job__tenant=tenant,
+                                          allocation__job__state__in=ACTIVE_STATES)
+    usage = held.aggregate(slots=Count("id"), cu=Sum("gpu__model__compute_units"))
+    slots, cu_slots = usage["slots"] or 0, float(usage["cu"] or 0)
+    remaining = None
+    if quota is not None and quota.monthly_budget_usd is not None:
+        remaining = max(0.0, float(quota.monthly_budget_usd) - month_to_date_spend(tenant=tenant, now=now))
+    return sm.TenantBudget(
+        tenant=tenant.slug,
+        gpu_quota=float(quota.max_gpus) if quota and quota.max_gpus else None,
+        cu_quota=float(quota.max_compute_units) if quota and quota.max_compute_units else None,
+        gpus_in_use=slots / Gpu.SLOTS, cu_in_use=cu_slots / Gpu.SLOTS, remaining_budget=remaining,
+    )

@@ -1,0 +1,21 @@
+"""Celery tasks: thin, load by id, call the service, safe to run twice at once (the lease decides)."""
+from __future__ import annotations
+
+from celery import shared_task
+
+from broker.scheduler.services import scheduling_cycle_run, tenants_with_pending_jobs
+from broker.tenancy.models import Tenant
+
+
+@shared_task(name="scheduler.cycle", acks_late=True, ignore_result=True)
+def scheduling_cycle(tenant_id: int) -> None:
+    tenant = Tenant.objects.filter(pk=tenant_id).first()
+    if tenant is not None:
+        scheduling_cycle_run(tenant=tenant)
+
+
+@shared_task(name="scheduler.sweep", ignore_result=True)
+def scheduling_sweep() -> None:
+    """Periodic: run a cycle for every tenant with pending work (catches anything a lost message missed)."""
+    for tenant in tenants_with_pending_jobs():
+        scheduling_cycle.delay(tenant.pk)

@@ -1,0 +1,140 @@
+"""The broker's scheduling cycle: snapshot of one tenant → engine → allocations, reasons, preemptions."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from broker.jobs.models import Job, JobEvent
+from broker.jobs.services import GpuRequest, allocation_commit, job_transition
+from broker.jobs.states import JobState
+from broker.scheduler.models import CycleLease, CycleRecord
+from broker.scheduler.services import _lease_acquire, scheduling_cycle_run
+from broker.scheduler.snapshot import tenant_snapshot
+
+from .conftest import is_postgres, requires_postgres, requires_redis
+from .test_api_tenancy import submit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pending_job_is_placed_inside_one_nvlink_island(acme):
+    job = submit(acme, resources={"gpus": 4, "interconnect": "nvlink", "gpu_models": ["A100-80GB"]})
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert outcome.ran and outcome.placed == [job.pk]
+    job.refresh_from_db()
+    assert job.state == JobState.PLACED
+    alloc = job.allocations.get(active=True)
+    islands = {s.gpu.nvlink_island for s in alloc.slices.all()}
+    assert len(islands) == 1 and len({s.gpu.index for s in alloc.slices.all()}) == 4
+    assert CycleRecord.objects.filter(tenant=acme.tenant, placed_jobs=1).exists()
+
+
+def test_job_that_cannot_fit_gets_a_reason_visible_in_the_api(acme):
+    job = submit(acme, resources={"gpus": 16})  # nodes have 8 GPUs each
+    scheduling_cycle_run(tenant=acme.tenant)
+    body = acme.client.get(f"/api/v1/jobs/{job.pk}/").json()
+    assert body["state"] == "PENDING"
+    reason = body["pending_reason"]
+    assert reason["code"] == "INSUFFICIENT_GPUS", reason
+    assert "16" in reason["message"] or "nodes" in reason["message"]
+    assert JobEvent.objects.filter(job=job, kind="pending_reason", reason_code="INSUFFICIENT_GPUS").count() == 1
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert JobEvent.objects.filter(job=job, kind="pending_reason").count() == 1, "same reason is not re-logged"
+
+
+def test_a_tenant_is_only_scheduled_on_its_own_nodes(acme, globex):
+    for node in acme.nodes:
+        node.state = "OFFLINE"
+        node.save()
+    job = submit(acme)
+    scheduling_cycle_run(tenant=acme.tenant)
+    scheduling_cycle_run(tenant=globex.tenant)
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    assert job.pending_reason_code == "NODE_NOT_READY"
+    assert all(n.id in {str(x.pk) for x in acme.nodes} for n in tenant_snapshot(tenant=acme.tenant).nodes)
+
+
+def test_quota_caps_what_one_cycle_places(acme):
+    acme.tenant.quota.max_gpus = 4
+    acme.tenant.quota.save()
+    jobs = [submit(acme, name=f"q{i}", resources={"gpus": 2}) for i in range(3)]
+    scheduling_cycle_run(tenant=acme.tenant)
+    states = sorted(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True))
+    assert states == ["PENDING", "PLACED", "PLACED"]
+    waiting = Job.objects.get(pk__in=[j.pk for j in jobs], state="PENDING")
+    assert waiting.pending_reason_code == "QUOTA_EXCEEDED"
+
+
+def test_high_priority_job_preempts_a_long_running_preemptible_one(acme):
+    for node in acme.nodes[1:]:
+        node.state = "OFFLINE"
+        node.save()
+    low = submit(acme, name="low", resources={"gpus": 8}, preemptible=True, priority="low")
+    allocation_commit(job=low, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=tuple(range(8)))])
+    low = job_transition(job=low, to=JobState.STARTING)
+    low = job_transition(job=low, to=JobState.RUNNING)
+    Job.objects.filter(pk=low.pk).update(started_at=timezone.now() - timedelta(hours=2))
+    high = submit(acme, name="high", resources={"gpus": 8}, priority="critical")
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert outcome.preempted == [low.pk]
+    low.refresh_from_db()
+    high.refresh_from_db()
+    assert low.state == JobState.PENDING  # re-queued
+    assert list(JobEvent.objects.filter(job=low, kind="state").values_list("data__to", flat=True))[-2:] == [
+        "PREEMPTED", "PENDING"]
+    assert high.pending_reason_code == "WAITING_FOR_PREEMPTION"
+    scheduling_cycle_run(tenant=acme.tenant)
+    high.refresh_from_db()
+    assert high.state == JobState.PLACED
+
+
+def test_a_cycle_does_not_run_while_another_holds_the_lease(acme):
+    submit(acme)
+    assert _lease_acquire(acme.tenant, "someone-else") is not None
+    assert scheduling_cycle_run(tenant=acme.tenant).ran is False
+    CycleLease.objects.filter(tenant=acme.tenant).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert scheduling_cycle_run(tenant=acme.tenant).ran is True, "an expired lease (dead worker) is taken over"
+
+
+@requires_postgres
+@requires_redis
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_real_celery_worker_places_jobs_through_redis(acme, tmp_path):
+    """Submit, then let a separate `celery worker -B` process (Redis broker, same Postgres) place the job."""
+    job = submit(acme, resources={"gpus": 2})
+    db = connection.settings_dict
+    env = {**os.environ,
+           "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
+           "WHALEZEN_QUEUE": f"test-{os.getpid()}", "WHALEZEN_CYCLE_SECONDS": "1", "WHALEZEN_VAR_DIR": str(tmp_path)}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "broker", "worker", "-B", "--pool", "solo", "--loglevel", "INFO",
+         "-s", str(tmp_path / "beat-schedule")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            job.refresh_from_db()
+            if job.state == JobState.PLACED:
+                break
+            time.sleep(0.5)
+        assert job.state == JobState.PLACED
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        connection.close()
+    assert is_postgres()
