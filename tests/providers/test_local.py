@@ -1,0 +1,161 @@
+"""Local provider: real child processes (a tiny sleeping Python stand-in for the agent, via the
+injectable command), state files that survive a restart, and the cloud simulation."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from providers.base import ErrorKind, InstanceState, ProviderError, ProvisionRequest
+from providers.local import CloudSimulation, LocalProvider, LocalShape, agent_command
+from providers.local.processes import is_alive
+from providers.reconcile import KnownInstance, reconcile
+from tests.providers.conftest import BROKER_ID, make_request
+
+# Stands in for `python -m agent ...`: records its argv, then idles until killed.
+STAND_IN = "import json, sys, time; open(sys.argv[1], 'w').write(json.dumps(sys.argv[2:])); time.sleep(300)"
+
+
+def stand_in(argv_dir: Path):
+    real = agent_command(sys.executable)
+
+    def build(request: ProvisionRequest, name: str, shape: LocalShape) -> Sequence[str]:
+        return [sys.executable, "-c", STAND_IN, str(argv_dir / f"{name}.json"), *real(request, name, shape)[1:]]
+
+    return build
+
+
+@pytest.fixture
+def make_local(tmp_path: Path):
+    made: list[LocalProvider] = []
+
+    def make(**kwargs) -> LocalProvider:
+        kwargs.setdefault("command_factory", stand_in(tmp_path))
+        provider = LocalProvider(broker_id=BROKER_ID, state_dir=tmp_path / "state", stop_timeout_s=2.0, **kwargs)
+        made.append(provider)
+        return provider
+
+    yield make
+    for provider in made:  # never leave a process behind
+        for info in provider.list_owned():
+            provider.terminate(info.ref)
+
+
+def local_request(instance_type: str = "local-8xA100-80GB-SXM", **kwargs) -> ProvisionRequest:
+    return make_request(provider="local", instance_type=instance_type, zone="local-a", region="local", **kwargs)
+
+
+def pid_of(provider: LocalProvider, instance_id: str) -> tuple[int, int | None]:
+    record = json.loads((provider.state_dir / "instances" / f"{instance_id}.json").read_text())
+    return record["pid"], record["pid_start"]
+
+
+def wait_for(path: Path) -> str:
+    deadline = time.monotonic() + 10
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path) -> None:
+    provider = make_local()
+    request = local_request()
+    info = provider.provision(request)
+    assert info.state is InstanceState.RUNNING and info.request_key == request.request_key
+    argv = json.loads(wait_for(tmp_path / f"{request.node_name}.json"))
+    assert argv == ["-m", "agent", "--server", "http://broker.test:8000", "--join-token", "join-secret-123",
+                    "--fake-gpus", "8xA100-80GB-SXM", "--name", request.node_name]
+    assert is_alive(*pid_of(provider, info.ref.instance_id))
+
+
+def test_same_key_same_process_even_after_restart(make_local) -> None:
+    first = make_local()
+    request = local_request()
+    info = first.provision(request)
+    assert first.provision(request).ref == info.ref
+    restarted = make_local()  # the broker restarted: a new provider over the same state dir
+    assert restarted.provision(request).ref == info.ref
+    assert [i.ref for i in restarted.list_owned()] == [info.ref]
+    pid = pid_of(restarted, info.ref.instance_id)
+    assert restarted.terminate(info.ref).state is InstanceState.TERMINATED
+    assert not is_alive(*pid)
+    assert restarted.describe(info.ref).state is InstanceState.TERMINATED
+
+
+def test_launch_latency_reports_pending_first(make_local) -> None:
+    now = [1000.0]
+    provider = make_local(simulation=CloudSimulation(launch_latency_s=30), clock=lambda: now[0])
+    info = provider.provision(local_request("local-4xT4"))
+    assert info.state is InstanceState.PENDING
+    now[0] += 31
+    assert provider.describe(info.ref).state is InstanceState.RUNNING
+
+
+def test_forced_and_random_capacity_errors(make_local) -> None:
+    forced = make_local(simulation=CloudSimulation(forced_capacity_errors=frozenset({("local-a", "local-4xT4")})))
+    with pytest.raises(ProviderError) as caught:
+        forced.provision(local_request("local-4xT4"))
+    assert caught.value.kind is ErrorKind.CAPACITY and caught.value.retry_elsewhere
+    assert forced.provision(local_request("local-1xL4")).state is InstanceState.RUNNING
+
+    def outcomes(seed: int) -> list[bool]:
+        sim = make_local(simulation=CloudSimulation(capacity_error_probability=0.5, seed=seed))
+        return [sim._simulated_capacity_error("local-a", "local-4xT4") for _ in range(32)]
+
+    assert outcomes(7) == outcomes(7)  # seeded: repeatable
+    assert True in outcomes(7) and False in outcomes(7)
+    assert outcomes(7) != outcomes(8)
+
+
+def test_spot_interruptions_hit_only_spot_instances(make_local) -> None:
+    provider = make_local(simulation=CloudSimulation(spot_interruption_probability=1.0))
+    spot = provider.provision(local_request("local-1xL4", spot=True, allocation_id="a-spot"))
+    steady = provider.provision(local_request("local-1xL4", allocation_id="a-steady"))
+    interrupted = provider.tick()
+    assert [i.ref for i in interrupted] == [spot.ref]
+    assert provider.describe(spot.ref).state is InstanceState.TERMINATED
+    assert provider.describe(spot.ref).state_reason == "spot-interruption"
+    assert provider.describe(steady.ref).state is InstanceState.RUNNING
+
+
+def test_agent_that_exits_is_reported_gone(make_local) -> None:
+    provider = make_local(command_factory=lambda request, name, shape: [sys.executable, "-c", "pass"])
+    info = provider.provision(local_request("local-1xL4"))
+    deadline = time.monotonic() + 10
+    while provider.describe(info.ref).state is not InstanceState.TERMINATED:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert provider.describe(info.ref).state_reason == "process-exited"
+
+
+def test_unknown_shape_is_a_bad_request(make_local) -> None:
+    with pytest.raises(ProviderError) as caught:
+        make_local().provision(local_request("local-64xB200"))
+    assert caught.value.kind is ErrorKind.BAD_REQUEST
+
+
+def test_offers_list_every_shape_per_zone(make_local) -> None:
+    provider = make_local(zones=["local-a", "local-b"])
+    offers = provider.list_offers()
+    assert len(offers) == 2 * len(provider.shapes)
+    assert {(o.zone, o.gpu_model, o.gpu_count) for o in offers} >= {("local-b", "A100-80GB", 8), ("local-a", "T4", 4)}
+
+
+def test_reconciler_stops_orphaned_local_agent(make_local) -> None:
+    provider = make_local()
+    kept = provider.provision(local_request("local-1xL4", allocation_id="kept"))
+    orphan = provider.provision(local_request("local-1xL4", allocation_id="orphan"))
+    orphan_pid = pid_of(provider, orphan.ref.instance_id)
+    known = [KnownInstance(provider="local", request_key=kept.request_key, provider_instance_id=kept.ref.instance_id)]
+    report = reconcile({"local": provider}, known, orphan_grace=timedelta(seconds=0),
+                       clock=lambda: datetime.now(timezone.utc) + timedelta(seconds=1))
+    assert [i.ref for i in report.orphans_terminating] == [orphan.ref]
+    assert report.orphans_terminating[0].state is InstanceState.TERMINATED
+    assert not is_alive(*orphan_pid)
+    assert provider.describe(kept.ref).state is InstanceState.RUNNING
