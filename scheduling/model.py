@@ -380,6 +380,8 @@ DEFAULT_FILTERS: tuple[str, ...] = (
     "spot_policy",
     "price_ceiling",
     "offer_quota",
+    "tenant_quota",
+    "tenant_budget",
 )
 DEFAULT_SCORES: Mapping[str, float] = {"money": 1.0, "fragmentation": 1.0, "waiting": 1.0}
 

@@ -1,0 +1,219 @@
+"""The cycle's ledger: free capacity, launched instances, tenant allowances and placements so far.
+
+Mapping, greedy placement, preemption and defragmentation all write through `Book.commit`, so
+quotas, budgets, offer quotas and GPU capacity are checked in one place and never double-booked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduling.capacity import NodeCapacity, PartDemand
+from scheduling.model import JobDemand, Launch, Placement, PlacementPart, TenantBudget
+from scheduling.packer import TargetPacker
+from scheduling.problem import Problem
+from scheduling.targets import Target, offer_node
+
+
+@dataclass(slots=True)
+class Instance:
+    target: int  # offer target index
+    number: int  # instance number within the launch of that offer variant
+    cap: NodeCapacity
+
+
+@dataclass(slots=True)
+class Allowance:
+    gpus: float | None
+    cus: float | None
+    dollars: float | None
+
+    def admits(self, gpus: float, cus: float, dollars: float) -> bool:
+        eps = 1e-9
+        return ((self.gpus is None or gpus <= self.gpus + eps) and (self.cus is None or cus <= self.cus + eps)
+                and (self.dollars is None or dollars <= self.dollars + eps))
+
+    def charge(self, gpus: float, cus: float, dollars: float) -> None:
+        if self.gpus is not None:
+            self.gpus -= gpus
+        if self.cus is not None:
+            self.cus -= cus
+        if self.dollars is not None:
+            self.dollars -= dollars
+
+
+def allowance_for(budget: TenantBudget | None) -> Allowance:
+    if budget is None:
+        return Allowance(None, None, None)
+    return Allowance(
+        None if budget.gpu_quota is None else budget.gpu_quota - budget.gpus_in_use,
+        None if budget.cu_quota is None else budget.cu_quota - budget.cu_in_use,
+        budget.remaining_budget,
+    )
+
+
+class Book:
+    def __init__(self, problem: Problem, capacities: list[NodeCapacity] | None = None) -> None:
+        self.problem = problem
+        # Working copies: the problem's own capacities stay as they were at the start of the cycle.
+        self.caps = [cap.copy() for cap in (capacities if capacities is not None else problem.capacities)]
+        self.instances: list[Instance] = []
+        self.launchable: dict[str, int] = {t.offer.id: t.count for t in problem.targets if t.offer is not None}
+        self.allowances: dict[str, Allowance] = {
+            name: allowance_for(budget) for name, budget in problem.ctx.tenants.items()}
+        self.placements: dict[str, Placement] = {}
+        self.packers: dict[int, TargetPacker] = {}
+        self.packer_instances: dict[int, list[Instance]] = {}
+        # node position -> (target index, index inside that target's packer)
+        self.node_slot: dict[int, tuple[int, int]] = {}
+
+    # ---------------------------------------------------------------------------------- packers
+
+    def packer(self, target_index: int) -> TargetPacker:
+        packer = self.packers.get(target_index)
+        if packer is not None:
+            return packer
+        target = self.problem.targets[target_index]
+        if target.kind == "node":
+            packer = TargetPacker([self.caps[p] for p in target.members])
+            for inside, position in enumerate(target.members):
+                self.node_slot[position] = (target_index, inside)
+        else:
+            instances = self.packer_instances.setdefault(target_index, [])
+
+            def grow() -> NodeCapacity | None:
+                instance = self.launch(target_index)
+                if instance is None:
+                    return None
+                instances.append(instance)
+                return instance.cap
+
+            packer = TargetPacker([], grow)
+        self.packers[target_index] = packer
+        return packer
+
+    def place_job(self, job: JobDemand, target_index: int, part: PartDemand) -> Placement | None:
+        """Best-fit the job's gang into one target; commit it, or leave everything as it was."""
+        packer = self.packer(target_index)
+        target = self.problem.targets[target_index]
+        chosen: list[tuple[int, tuple[int, ...]]] = []
+        for _ in range(max(1, job.nodes)):
+            found = packer.find(part, {index for index, _ in chosen})
+            if found is None:
+                break
+            chosen.append(found)
+        placement = None
+        if len(chosen) == max(1, job.nodes) and self.admits(job, target):
+            instances = self.packer_instances.get(target_index, [])
+            slots = [(packer.caps[index], positions, instances[index] if target.kind == "offer" else None)
+                     for index, positions in chosen]
+            placement = self.commit(job, target, slots, part)
+        for index, positions in chosen:
+            packer.touch(index, positions)
+        return placement
+
+    def refresh_node(self, position: int) -> None:
+        """Re-index a node whose capacity changed outside `place_job` (preemption, defrag)."""
+        slot = self.node_slot.get(position)
+        if slot is not None:
+            target_index, inside = slot
+            self.packers[target_index].touch(inside, tuple(range(len(self.caps[position].free_milli))))
+
+    # -------------------------------------------------------------------------------- instances
+
+    def launch(self, target_index: int) -> Instance | None:
+        target = self.problem.targets[target_index]
+        assert target.offer is not None
+        if self.launchable[target.offer.id] <= 0:
+            return None
+        self.launchable[target.offer.id] -= 1
+        number = sum(1 for i in self.instances if i.target == target_index)
+        instance = Instance(target_index, number, NodeCapacity(offer_node(target.offer, target.spot)))
+        self.instances.append(instance)
+        return instance
+
+    def instances_of(self, target_index: int) -> list[Instance]:
+        return [i for i in self.instances if i.target == target_index]
+
+    # ---------------------------------------------------------------------------------- placing
+
+    def admits(self, job: JobDemand, target: Target) -> bool:
+        allowance = self.allowances.get(job.tenant)
+        if allowance is None:
+            return True
+        pricing = self.problem.pricing
+        return allowance.admits(pricing.gpu_share(job, target.gpu_model),
+                                pricing.compute_units(job, target.gpu_model), pricing.money(job, target))
+
+    def commit(self, job: JobDemand, target: Target, slots: list[tuple[NodeCapacity, tuple[int, ...],
+               Instance | None]], part: PartDemand) -> Placement:
+        """Take the chosen GPUs on every node of the gang and charge the tenant."""
+        pricing = self.problem.pricing
+        allowance = self.allowances.get(job.tenant)
+        if allowance is not None:
+            allowance.charge(pricing.gpu_share(job, target.gpu_model),
+                             pricing.compute_units(job, target.gpu_model), pricing.money(job, target))
+        parts = []
+        for cap, positions, instance in slots:
+            cap.take(positions, part)
+            parts.append(PlacementPart(
+                gpu_indices=cap.gpu_indices(positions), gpu_milli=part.milli,
+                node_id=None if instance is not None else cap.node.id,
+                launch_id=None if instance is None else launch_id(self.problem.targets[instance.target]),
+                instance=0 if instance is None else instance.number,
+            ))
+        placement = Placement(job_id=job.job_id, parts=tuple(parts), gpu_model=target.gpu_model,
+                              price_per_hour=pricing.hourly_price(job, target), spot=target.spot)
+        self.placements[job.job_id] = placement
+        return placement
+
+    def launches(self) -> tuple[Launch, ...]:
+        """One launch per offer variant used; instances nobody uses are dropped (and not paid)."""
+        used: dict[int, set[int]] = {}
+        jobs: dict[int, list[str]] = {}
+        for placement in self.placements.values():
+            for part in placement.parts:
+                if part.launch_id is None:
+                    continue
+                target_index = self._target_of_launch(part.launch_id)
+                used.setdefault(target_index, set()).add(part.instance)
+                if placement.job_id not in jobs.setdefault(target_index, []):
+                    jobs[target_index].append(placement.job_id)
+        result = []
+        for target_index in sorted(used):
+            target = self.problem.targets[target_index]
+            assert target.offer is not None
+            result.append(Launch(launch_id=launch_id(target), offer_id=target.offer.id,
+                                 count=max(used[target_index]) + 1, spot=target.spot,
+                                 job_ids=tuple(sorted(jobs[target_index])), price_per_hour=target.instance_price))
+        return tuple(result)
+
+    def _target_of_launch(self, identifier: str) -> int:
+        for index, target in enumerate(self.problem.targets):
+            if target.kind == "offer" and launch_id(target) == identifier:
+                return index
+        raise KeyError(identifier)
+
+    def compact_instances(self) -> None:
+        """Renumber instances so a launch's used instances are 0..n-1 (empty ones are dropped)."""
+        renumber: dict[tuple[int, int], int] = {}
+        for target_index in sorted({i.target for i in self.instances}):
+            used = sorted({part.instance for p in self.placements.values() for part in p.parts
+                           if part.launch_id == launch_id(self.problem.targets[target_index])})
+            for new, old in enumerate(used):
+                renumber[target_index, old] = new
+        for job_id, placement in list(self.placements.items()):
+            if not any(part.launch_id for part in placement.parts):
+                continue
+            parts = tuple(
+                part if part.launch_id is None else PlacementPart(
+                    part.gpu_indices, part.gpu_milli, None, part.launch_id,
+                    renumber[self._target_of_launch(part.launch_id), part.instance])
+                for part in placement.parts)
+            self.placements[job_id] = Placement(job_id, parts, placement.gpu_model, placement.price_per_hour,
+                                                placement.spot)
+
+
+def launch_id(target: Target) -> str:
+    assert target.offer is not None
+    return f"launch:{target.offer.id}:{'spot' if target.spot else 'od'}"

@@ -1,0 +1,127 @@
+"""The scheduling cycle: `schedule(snapshot, policy) -> Plan`.
+
+1. Build the problem: node shapes, offer variants, demand classes, filtered candidates.
+2. Place: aggregated MILP (method "auto"/"milp") mapped back to nodes and repaired greedily;
+   the per-node exact MILP (method "exact"); or greedy alone (method "greedy"). When the MILP
+   has no proven answer in time, the greedy answer is computed too and the better of the two
+   under the same objective is kept; `Plan.solver` says which was used.
+3. For jobs still pending: preemption plan, then defragmentation plan.
+4. Explain every job left pending.
+"""
+
+from __future__ import annotations
+
+import time
+
+from scheduling.book import Book
+from scheduling.capacity import NodeCapacity
+from scheduling.explain import explain_pending
+from scheduling.greedy import place_greedily
+from scheduling.model import Plan, Policy, Reason, ReasonCode, Snapshot, SolverInfo
+from scheduling.objective import evaluate
+from scheduling.problem import Problem, build_problem
+
+
+def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
+    started = time.perf_counter()
+    policy = policy or Policy()
+    problem = build_problem(snapshot, policy)
+    original = [cap.copy() for cap in problem.capacities]
+    book, info = place(problem, original, started)
+
+    pending = [job.job_id for job in sorted(snapshot.pending, key=lambda j: (j.submitted_at, j.job_id))
+               if job.job_id not in book.placements]
+    reasons: dict[str, Reason] = explain_pending(problem, book, pending)
+
+    preemptions = ()
+    migrations = ()
+    if policy.preemption and pending:
+        from scheduling.preemption import plan_preemptions
+        preemptions = plan_preemptions(problem, book, pending)
+        for preemption in preemptions:
+            reason = reasons.get(preemption.for_job_id)
+            if reason is not None and reason.code != ReasonCode.WAITING_FOR_PREEMPTION:
+                victims = [p.victim_job_id for p in preemptions if p.for_job_id == preemption.for_job_id]
+                lost = sum(p.lost_work_s for p in preemptions if p.for_job_id == preemption.for_job_id)
+                reasons[preemption.for_job_id] = Reason(
+                    ReasonCode.WAITING_FOR_PREEMPTION,
+                    f"WAITING_FOR_PREEMPTION: preempting {len(victims)} lower-priority job(s) on "
+                    f"{preemption.node_id} ({', '.join(victims)}), {lost:,.0f} s of work lost; "
+                    f"before: {reason.message}",
+                    {"victims": victims, "node_id": preemption.node_id, "lost_work_s": lost,
+                     "previous": reason.code.value})
+    if policy.defragmentation and pending:
+        from scheduling.defrag import plan_defragmentation
+        waiting = [j for j in pending if reasons[j].code != ReasonCode.WAITING_FOR_PREEMPTION]
+        migrations = plan_defragmentation(problem, book, waiting)
+        for migration in migrations:
+            job_id = migration.for_job_id
+            reason = reasons.get(job_id) if job_id else None
+            if job_id and reason is not None and reason.code != ReasonCode.WAITING_FOR_DEFRAGMENTATION:
+                moved = [m.job_id for m in migrations if m.for_job_id == job_id]
+                reasons[job_id] = Reason(
+                    ReasonCode.WAITING_FOR_DEFRAGMENTATION,
+                    f"WAITING_FOR_DEFRAGMENTATION: moving {len(moved)} checkpointable job(s) "
+                    f"({', '.join(moved)}) off {migration.from_node_id} to make room; before: {reason.message}",
+                    {"moved": moved, "node_id": migration.from_node_id, "previous": reason.code.value})
+
+    book.compact_instances()
+    placements = tuple(book.placements[j.job_id] for j in sorted(snapshot.pending, key=lambda j: j.job_id)
+                       if j.job_id in book.placements)
+    info = SolverInfo(info.method, info.proven_optimal, time.perf_counter() - started, info.objective,
+                      info.solver, info.status, info.variables, info.note)
+    return Plan(placements=placements, launches=book.launches(), preemptions=tuple(preemptions),
+                migrations=tuple(migrations), pending=dict(sorted(reasons.items())), solver=info)
+
+
+def place(problem: Problem, original: list[NodeCapacity], started: float) -> tuple[Book, SolverInfo]:
+    """Run the policy's method; return the filled book and what was used.
+
+    "auto"/"milp": the aggregated MILP (LP bound, then pattern counts near the LP values, then the
+    full model if time is left) mapped to nodes and repaired greedily, and the greedy answer too;
+    both are scored by `objective.evaluate` and the better one is kept. The MILP sees the whole
+    queue at once (money, quotas, budgets, offer quotas); greedy best-fit packs nodes tightly.
+    Neither dominates, so keeping the better of the two is never worse than either.
+    """
+    policy = problem.policy
+    all_jobs = [job.job_id for job in problem.snapshot.pending]
+    if policy.method == "exact":
+        from scheduling.exact import solve_exact
+        return solve_exact(problem, original, policy.time_limit_s)
+
+    greedy_started = time.perf_counter()
+    greedy_book = Book(problem)
+    place_greedily(problem, greedy_book, all_jobs)
+    greedy_objective = evaluate(problem, greedy_book, original)
+    greedy_seconds = time.perf_counter() - greedy_started
+    if policy.method == "greedy" or not problem.classes:
+        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, "", "greedy by policy")
+
+    from scheduling.mapping import map_solution
+    from scheduling.milp import build_and_solve
+
+    # Leave room for mapping and scoring the MILP's answer (about as long as the greedy pass).
+    remaining = policy.time_limit_s - (time.perf_counter() - started) - greedy_seconds
+    if remaining <= 0.02:
+        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, "", "no time left for the MILP",
+                                       0, "time limit reached before the MILP could start; greedy used")
+    solution = build_and_solve(problem, remaining)
+    result = solution.result
+    if not result.has_solution:
+        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, result.solver, result.status,
+                                       solution.variables, "MILP gave no answer in time; greedy used")
+    book = Book(problem)
+    unmapped = map_solution(problem, book, solution)
+    # Repair: what mapping could not hold, and what the MILP left in slack only because phase two
+    # confined the pattern counts, goes through greedy on the capacity that is left.
+    unmapped = [job_id for job_id in all_jobs if job_id not in book.placements]
+    still = place_greedily(problem, book, unmapped) if unmapped else []
+    objective = evaluate(problem, book, original)
+    note = (f"{len(unmapped)} jobs left by the MILP or mapping went to greedy repair "
+            f"({len(unmapped) - len(still)} placed); "
+            if unmapped else "") + f"MILP {objective:.2f} vs greedy {greedy_objective:.2f}"
+    if greedy_objective < objective - 1e-9:
+        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, result.solver, result.status,
+                                       solution.variables, note + "; greedy kept")
+    return book, SolverInfo("milp", result.proven_optimal and not still, 0.0, objective, result.solver,
+                            result.status, solution.variables, note)

@@ -1,0 +1,117 @@
+"""Best-fit placement inside one target (a shape's nodes, or an offer variant's instances).
+
+Indexed so each placement costs about O(log n) instead of a scan of every node:
+- nodes are bucketed by how many whole GPUs they have free; a gang of k GPUs goes to the fullest
+  node that still has k (best fit keeps big holes for big gangs, the FGD lesson);
+- shared GPUs sit in one list sorted by free milli; a fractional job takes the tightest GPU that
+  fits, and only opens a whole GPU (on the node with the fewest whole GPUs left) when none does;
+- CPU-only jobs go to the nodes with the fewest free GPUs, where their CPU use strands least.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+from scheduling.capacity import NodeCapacity, PartDemand
+from scheduling.model import WHOLE_GPU_MILLI
+
+# Nodes tried per bucket before moving on (CPU or memory may be short on many of them).
+LOOKAHEAD = 32
+
+
+class TargetPacker:
+    def __init__(self, caps: list[NodeCapacity], grow: Callable[[], NodeCapacity | None] | None = None) -> None:
+        self.caps: list[NodeCapacity] = []
+        self.buckets: dict[int, list[int]] = {}
+        self.whole: list[int] = []
+        self.shared: list[tuple[int, int, int]] = []  # (free milli, node, GPU position)
+        self.grow = grow  # launches one more instance (offer targets), None for shapes
+        for cap in caps:
+            self.add(cap)
+
+    def add(self, cap: NodeCapacity) -> int:
+        index = len(self.caps)
+        self.caps.append(cap)
+        self.whole.append(cap.whole_free())
+        bisect.insort(self.buckets.setdefault(self.whole[index], []), index)
+        for position, milli in enumerate(cap.free_milli):
+            if 0 < milli < WHOLE_GPU_MILLI:
+                bisect.insort(self.shared, (milli, index, position))
+        return index
+
+    def touch(self, index: int, positions: tuple[int, ...] = ()) -> None:
+        """Re-index node `index` after its capacity changed on `positions`."""
+        cap = self.caps[index]
+        now = cap.whole_free()
+        if now != self.whole[index]:
+            bucket = self.buckets[self.whole[index]]
+            del bucket[bisect.bisect_left(bucket, index)]
+            self.whole[index] = now
+            bisect.insort(self.buckets.setdefault(now, []), index)
+        for position in positions:
+            milli = cap.free_milli[position]
+            if 0 < milli < WHOLE_GPU_MILLI:
+                bisect.insort(self.shared, (milli, index, position))
+
+    def index_of(self, cap: NodeCapacity) -> int | None:
+        for index, known in enumerate(self.caps):
+            if known is cap:
+                return index
+        return None
+
+    def find(self, part: PartDemand, exclude: set[int] = frozenset()) -> tuple[int, tuple[int, ...]] | None:  # type: ignore[assignment]
+        found = self._find_existing(part, exclude)
+        if found is None and self.grow is not None:
+            cap = self.grow()
+            if cap is not None:
+                index = self.add(cap)
+                positions = cap.choose(part)
+                if positions is not None:
+                    return index, positions
+        return found
+
+    def _find_existing(self, part: PartDemand, exclude: set[int]) -> tuple[int, tuple[int, ...]] | None:
+        if part.fractional:
+            found = self._find_shared(part, exclude)
+            if found is not None:
+                return found
+            return self._find_in_buckets(part, exclude, minimum=1)
+        return self._find_in_buckets(part, exclude, minimum=part.gpus)
+
+    def _find_shared(self, part: PartDemand, exclude: set[int]) -> tuple[int, tuple[int, ...]] | None:
+        start = bisect.bisect_left(self.shared, (part.milli, -1, -1))
+        checked = 0
+        offset = start
+        while offset < len(self.shared) and checked < LOOKAHEAD:
+            milli, index, position = self.shared[offset]
+            cap = self.caps[index]
+            if cap.free_milli[position] != milli:  # stale entry: drop it
+                del self.shared[offset]
+                continue
+            checked += 1
+            if index not in exclude and cap.schedulable and cap.free_cpu >= part.cpu_milli \
+                    and cap.free_mem >= part.memory_mb and cap.free_memory[position] >= part.min_gpu_memory_mb \
+                    and (not part.allowed_models or cap.node.gpus[position].model in part.allowed_models) \
+                    and cap.node.gpus[position].healthy:
+                del self.shared[offset]
+                return index, (position,)
+            offset += 1
+        return None
+
+    def _find_in_buckets(self, part: PartDemand, exclude: set[int], minimum: int) -> tuple[int, tuple[int, ...]] | None:
+        levels = sorted(w for w in self.buckets if w >= minimum)
+        # Fast pass: the first few nodes of each bucket; full pass only when that finds nothing,
+        # so a job that fits somewhere is never refused.
+        for limit in (LOOKAHEAD, None):
+            for whole in levels:
+                bucket = self.buckets[whole]
+                for index in bucket if limit is None else bucket[:limit]:
+                    if index in exclude:
+                        continue
+                    positions = self.caps[index].choose(part)
+                    if positions is not None:
+                        return index, positions
+            if all(len(self.buckets[w]) <= LOOKAHEAD for w in levels):
+                break
+        return None

@@ -1,0 +1,126 @@
+"""Packing patterns: the multisets of whole-GPU gangs one node (or instance) of a target can hold.
+
+A pattern lists how many gangs of each item type `(gpus, needs_nvlink)` go on one node. The
+aggregated MILP chooses how many nodes of each shape use each pattern (equality with the shape's
+node count, the empty pattern included, so no slot is ever reserved and left empty). Fractional
+and CPU-only jobs are not in patterns: they use the GPUs a pattern leaves free.
+
+Each pattern carries its fragmentation cost: the FGD measure of the node after the pattern minus
+before, from `scheduling.fragmentation` (expected free GPU capacity the task mix cannot use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduling import fragmentation as fgd
+from scheduling.capacity import NodeCapacity
+from scheduling.model import WHOLE_GPU_MILLI, WorkloadClass
+
+ItemType = tuple[int, bool]  # (GPUs in the gang on this node, needs one NVLink island)
+MAX_PATTERNS_PER_TARGET = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    items: tuple[tuple[ItemType, int], ...]  # (item type, how many) sorted
+    gpus_used: int
+    fragmentation_gpus: float  # FGD after - before, in GPUs
+
+    def count(self, item: ItemType) -> int:
+        for kind, n in self.items:
+            if kind == item:
+                return n
+        return 0
+
+
+def island_free_counts(cap: NodeCapacity) -> list[int]:
+    """Whole free GPUs per NVLink island; GPUs without an island count as islands of one."""
+    groups: dict[object, int] = {}
+    for position, gpu in enumerate(cap.node.gpus):
+        if cap.free_milli[position] >= WHOLE_GPU_MILLI and gpu.healthy:
+            key = gpu.nvlink_island if gpu.nvlink_island is not None else ("solo", position)
+            groups[key] = groups.get(key, 0) + 1
+    return sorted(groups.values(), reverse=True)
+
+
+def fits(islands: list[int], items: list[ItemType]) -> bool:
+    """Can the gangs go on a node with these island sizes? NVLink gangs need one island each."""
+    nvlink = sorted((k for k, needs in items if needs), reverse=True)
+    spread = sum(k for k, needs in items if not needs)
+    if sum(nvlink) + spread > sum(islands):
+        return False
+
+    def place(i: int, free: list[int]) -> bool:
+        if i == len(nvlink):
+            return True
+        tried: set[int] = set()
+        for j, room in enumerate(free):
+            if room >= nvlink[i] and room not in tried:
+                tried.add(room)
+                free[j] -= nvlink[i]
+                ok = place(i + 1, free)
+                free[j] += nvlink[i]
+                if ok:
+                    return True
+        return False
+
+    return place(0, list(islands))
+
+
+def to_workload(classes: tuple[WorkloadClass, ...]) -> fgd.Workload | None:
+    usable = [c for c in classes if c.weight > 0]
+    if not usable:
+        return None
+    return fgd.normalise(
+        fgd.TaskClass(cpu_milli=c.cpu_milli, gpu_milli=c.gpu_milli if c.gpus > 0 else 0, num_gpu=c.gpus,
+                      weight=c.weight, memory_mib=c.memory_mb,
+                      gpu_models=frozenset(c.gpu_models) if c.gpu_models else None)
+        for c in usable
+    )
+
+
+def node_fragmentation_gpus(free_milli: list[int], cap: NodeCapacity, workload: fgd.Workload | None) -> float:
+    if workload is None or not free_milli:
+        return 0.0
+    model = cap.node.gpus[0].model if cap.node.gpus else None
+    return fgd.node_fragmentation(free_milli, cap.free_cpu, workload, None, model) / WHOLE_GPU_MILLI
+
+
+def enumerate_patterns(cap: NodeCapacity, item_types: list[ItemType],
+                       workload: fgd.Workload | None) -> list[Pattern]:
+    """All multisets of `item_types` that fit one node like `cap` (the empty one first)."""
+    islands = island_free_counts(cap)
+    types = sorted(set(item_types), reverse=True)
+    whole_positions = [p for p, m in enumerate(cap.free_milli) if m >= WHOLE_GPU_MILLI and cap.node.gpus[p].healthy]
+    before = node_fragmentation_gpus(list(cap.free_milli), cap, workload)
+    frag_by_used: dict[int, float] = {}
+
+    def frag_after(used: int) -> float:
+        if used not in frag_by_used:
+            after = list(cap.free_milli)
+            for p in whole_positions[:used]:
+                after[p] = 0
+            frag_by_used[used] = node_fragmentation_gpus(after, cap, workload) - before
+        return frag_by_used[used]
+
+    patterns: list[Pattern] = []
+    chosen: list[ItemType] = []
+
+    def extend(start: int) -> None:
+        if len(patterns) >= MAX_PATTERNS_PER_TARGET:
+            return
+        counts: dict[ItemType, int] = {}
+        for item in chosen:
+            counts[item] = counts.get(item, 0) + 1
+        used = sum(k for k, _ in chosen)
+        patterns.append(Pattern(items=tuple(sorted(counts.items())), gpus_used=used,
+                                fragmentation_gpus=frag_after(used)))
+        for index in range(start, len(types)):
+            chosen.append(types[index])
+            if fits(islands, chosen):
+                extend(index)
+            chosen.pop()
+
+    extend(0)
+    return patterns

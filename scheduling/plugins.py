@@ -1,0 +1,193 @@
+"""Filter plugins: each rejects a (job, target) pair for one documented reason, or lets it pass.
+
+As in the Kubernetes scheduling framework, a policy names the filters it runs (`Policy.filters`)
+and the solver only sees the candidates that pass all of them. A rejection carries the reason
+code; `phrase()` turns "how many candidates this plugin rejected" into the words of the pending
+message, e.g. "9 have no GPU with >= 40 GB free".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from scheduling.capacity import PartDemand
+from scheduling.model import WHOLE_GPU_MILLI, JobDemand, ReasonCode, TenantBudget
+from scheduling.targets import Pricing, Target
+
+
+@dataclass(frozen=True, slots=True)
+class FilterContext:
+    pricing: Pricing
+    tenants: Mapping[str, TenantBudget]
+
+
+Check = Callable[[JobDemand, PartDemand, Target, FilterContext], bool]
+Phrase = Callable[[JobDemand, int], str]
+
+
+@dataclass(frozen=True, slots=True)
+class FilterPlugin:
+    name: str
+    code: ReasonCode
+    passes: Check
+    phrase: Phrase
+
+
+def _gb(mb: int) -> str:
+    return f"{mb / 1024:g} GB"
+
+
+def _usable_gpus(job: JobDemand, part: PartDemand, target: Target) -> list[int]:
+    """Positions of healthy GPUs of an allowed model with enough free memory."""
+    cap = target.rep
+    return [
+        p for p, gpu in enumerate(cap.node.gpus)
+        if gpu.healthy and (not part.allowed_models or gpu.model in part.allowed_models)
+        and cap.free_memory[p] >= part.min_gpu_memory_mb
+    ]
+
+
+def _free_enough(part: PartDemand, target: Target, positions: list[int]) -> list[int]:
+    need = part.milli if part.fractional else WHOLE_GPU_MILLI
+    return [p for p in positions if target.rep.free_milli[p] >= need]
+
+
+def _node_ready(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    if not target.rep.schedulable:
+        return False
+    return part.gpus == 0 or any(g.healthy for g in target.node.gpus)
+
+
+def _provider_region(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    node = target.node
+    return (not job.providers or node.provider in job.providers) and (not job.regions or node.region in job.regions)
+
+
+def _gpu_model(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    if part.gpus == 0 or not part.allowed_models:
+        return True
+    return any(g.healthy and g.model in part.allowed_models for g in target.node.gpus)
+
+
+def _gpu_memory(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    return part.gpus == 0 or part.min_gpu_memory_mb <= 0 or bool(_usable_gpus(job, part, target))
+
+
+def _gpu_count(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    if part.gpus == 0:
+        return True
+    return len(_free_enough(part, target, _usable_gpus(job, part, target))) >= part.gpus
+
+
+def _topology(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    if part.gpus <= 1 or not part.nvlink:
+        return True
+    islands: dict[int, int] = {}
+    for p in _free_enough(part, target, _usable_gpus(job, part, target)):
+        island = target.node.gpus[p].nvlink_island
+        if island is not None:
+            islands[island] = islands.get(island, 0) + 1
+    return any(n >= part.gpus for n in islands.values())
+
+
+def _fast_fabric(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    return job.nodes <= 1 or target.node.fast_fabric
+
+
+def _cpu_memory(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    return part.cpu_milli <= target.rep.free_cpu and part.memory_mb <= target.rep.free_mem
+
+
+def _spot_policy(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    # Spot is a cloud purchase option; owned nodes are acceptable under every spot policy.
+    if target.kind != "offer":
+        return True
+    return not (job.spot == "never" and target.spot) and not (job.spot == "required" and not target.spot)
+
+
+def _price_ceiling(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    return job.max_price_per_hour is None or ctx.pricing.hourly_price(job, target) <= job.max_price_per_hour + 1e-9
+
+
+def _offer_quota(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    return target.kind != "offer" or target.count >= max(1, job.nodes)
+
+
+def _remaining_quota(job: JobDemand, model: str, ctx: FilterContext) -> tuple[bool, bool]:
+    budget = ctx.tenants.get(job.tenant)
+    if budget is None:
+        return True, True
+    gpu_ok = budget.gpu_quota is None or (
+        budget.gpus_in_use + ctx.pricing.gpu_share(job, model) <= budget.gpu_quota + 1e-9)
+    cu_ok = budget.cu_quota is None or (
+        budget.cu_in_use + ctx.pricing.compute_units(job, model) <= budget.cu_quota + 1e-9)
+    return gpu_ok, cu_ok
+
+
+def _tenant_quota(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    gpu_ok, cu_ok = _remaining_quota(job, target.gpu_model, ctx)
+    return gpu_ok and cu_ok
+
+
+def _tenant_budget(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    budget = ctx.tenants.get(job.tenant)
+    if budget is None or budget.remaining_budget is None:
+        return True
+    return ctx.pricing.money(job, target) <= budget.remaining_budget + 1e-9
+
+
+def _gpus_phrase(job: JobDemand, n: int) -> str:
+    if job.gpu_milli < WHOLE_GPU_MILLI and job.gpus <= 1:
+        return f"{n} have no GPU with {job.gpu_milli / WHOLE_GPU_MILLI:g} of a GPU free"
+    wanted = job.gpus if job.compute_units is None else f"{job.compute_units:g} CU of"
+    return f"{n} have fewer than {wanted} free GPUs per node"
+
+
+FILTERS: dict[str, FilterPlugin] = {plugin.name: plugin for plugin in (
+    FilterPlugin("node_ready", ReasonCode.NODE_NOT_READY, _node_ready,
+                 lambda job, n: f"{n} are not ready or have no healthy GPU"),
+    FilterPlugin("provider_region", ReasonCode.PROVIDER_REGION, _provider_region,
+                 lambda job, n: f"{n} are outside providers {list(job.providers) or 'any'} "
+                                f"/ regions {list(job.regions) or 'any'}"),
+    FilterPlugin("gpu_model", ReasonCode.NO_GPU_MODEL, _gpu_model,
+                 lambda job, n: f"{n} have no {'|'.join(job.allowed_models)} GPU"),
+    FilterPlugin("gpu_memory", ReasonCode.INSUFFICIENT_GPU_MEMORY, _gpu_memory,
+                 lambda job, n: f"{n} have no GPU with >= {_gb(job.min_gpu_memory_mb)} free"),
+    FilterPlugin("gpu_count", ReasonCode.INSUFFICIENT_GPUS, _gpu_count, _gpus_phrase),
+    FilterPlugin("topology", ReasonCode.NO_NVLINK_ISLAND, _topology,
+                 lambda job, n: f"{n} lack a free NVLink island of {job.gpus // max(1, job.nodes)}"),
+    FilterPlugin("fast_fabric", ReasonCode.NO_FAST_FABRIC, _fast_fabric,
+                 lambda job, n: f"{n} have no fast fabric for a {job.nodes}-node job"),
+    FilterPlugin("cpu_memory", ReasonCode.INSUFFICIENT_CPU_MEMORY, _cpu_memory,
+                 lambda job, n: f"{n} lack {job.cpu_milli / 1000:g} CPU / {_gb(job.memory_mb)} RAM free"),
+    FilterPlugin("spot_policy", ReasonCode.SPOT_POLICY, _spot_policy,
+                 lambda job, n: f"{n} {'are spot' if job.spot == 'never' else 'are on-demand'} "
+                                f"(spot={job.spot})"),
+    FilterPlugin("price_ceiling", ReasonCode.PRICE_CEILING, _price_ceiling,
+                 lambda job, n: f"{n} cost more than ${job.max_price_per_hour or 0:g}/h"),
+    FilterPlugin("offer_quota", ReasonCode.OFFER_QUOTA, _offer_quota,
+                 lambda job, n: f"{n} offers have launch quota 0"),
+    FilterPlugin("tenant_quota", ReasonCode.QUOTA_EXCEEDED, _tenant_quota,
+                 lambda job, n: f"{n} would exceed tenant {job.tenant}'s GPU/CU quota"),
+    FilterPlugin("tenant_budget", ReasonCode.BUDGET_EXCEEDED, _tenant_budget,
+                 lambda job, n: f"{n} cost more than tenant {job.tenant}'s remaining budget"),
+)}
+
+
+def resolve_filters(names: tuple[str, ...]) -> tuple[FilterPlugin, ...]:
+    unknown = [name for name in names if name not in FILTERS]
+    if unknown:
+        raise KeyError(f"unknown filter plugins {unknown}; known: {sorted(FILTERS)}")
+    return tuple(FILTERS[name] for name in names)
+
+
+def first_rejection(plugins: tuple[FilterPlugin, ...], job: JobDemand, part: PartDemand | None,
+                    target: Target, ctx: FilterContext) -> FilterPlugin | None:
+    """The first plugin (in policy order) that rejects the pair, or None when all pass."""
+    if part is None:
+        return None
+    for plugin in plugins:
+        if not plugin.passes(job, part, target, ctx):
+            return plugin
+    return None

@@ -1,0 +1,2 @@
+def plan_preemptions(problem, book, pending):
+    return ()
