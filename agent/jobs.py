@@ -57,6 +57,7 @@ class Assignment:
     action: str
     gpu_indices: tuple[int, ...]
     gpu_uuids: tuple[str, ...] | None
+    gpu_milli: int  # share of each GPU, 1000 = whole; several fractional jobs may share a GPU
     command: tuple[str, ...] | str
     env: Mapping[str, str]
     checkpoint_uri: str | None
@@ -83,6 +84,9 @@ class Assignment:
         uuids = data.get("gpu_uuids")
         if uuids is not None and (not isinstance(uuids, list) or len(uuids) != len(indices)):
             raise AssignmentInvalid("gpu_uuids must list one UUID per entry of gpu_indices")
+        gpu_milli = data.get("gpu_milli", 1000)
+        if not isinstance(gpu_milli, int) or not 0 < gpu_milli <= 1000:
+            raise AssignmentInvalid("gpu_milli must be a whole number from 1 to 1000")
         command = data.get("command")
         if isinstance(command, list) and command and all(isinstance(c, str) for c in command):
             command = tuple(command)
@@ -98,6 +102,7 @@ class Assignment:
             action=action,
             gpu_indices=tuple(indices),
             gpu_uuids=None if uuids is None else tuple(str(u) for u in uuids),
+            gpu_milli=gpu_milli,
             command=command if command is not None else (),
             env=dict(env),
             checkpoint_uri=data.get("checkpoint_uri") or None,

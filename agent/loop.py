@@ -6,9 +6,11 @@ an Event, so SIGTERM (which sets it) ends the loop at once. Tests drive `step()`
 Ordering rules that keep the broker's view right:
 - Status reports go through a persisted outbox, in order, before each heartbeat, so a broker
   that comes back first hears how jobs ended, then sees the node's current state.
-- The highest epoch ever seen (from any response) is persisted; an assignment below it is stale:
-  refused if new, stopped if running. The broker raises a node's epoch when it takes the node's
-  work away (node marked lost), so this fences work the broker already gave to someone else.
+- The broker raises the node's epoch on every change of its assignments. The agent keeps the
+  highest epoch it has seen in any answer, on disk; an assignments answer with a lower epoch is a
+  stale view (lagging replica, replayed answer): what is new in it is refused, nothing else moves.
+- The assignments list is the node's whole desired state: a running job missing from a current
+  list is stopped. That fences work the broker took away (node marked lost, job moved).
 """
 from __future__ import annotations
 
@@ -204,6 +206,8 @@ class Agent:
             raise BrokerUnavailable(f"registration answer lacks {err}") from None
         self.store.save_identity(identity)
         self.identity = identity
+        if self.state.node_id != identity.node_id:
+            self._forget_previous_node(identity.node_id)
         self._see_epoch(body.get("epoch"))
         if self.config.heartbeat_seconds is None and body.get("heartbeat_seconds"):
             self.heartbeat_s = float(body["heartbeat_seconds"])
@@ -232,7 +236,7 @@ class Agent:
         self._see_epoch(body.get("epoch"))
         lost = bool(body.get("lost"))
         if lost and not self.broker_says_lost:
-            log.warning("broker had marked this node LOST; work from before epoch %d is fenced", self.state.max_epoch)
+            log.warning("broker had marked this node LOST; jobs it took away will be stopped at the next sync")
         self.broker_says_lost = lost
         if self.config.heartbeat_seconds is None and body.get("heartbeat_seconds"):
             self.heartbeat_s = float(body["heartbeat_seconds"])
@@ -254,46 +258,65 @@ class Agent:
         if isinstance(epoch, int) and epoch > self.state.max_epoch:
             self.state.max_epoch = epoch
             self.store.save_state(self.state)
-            for assignment_id, job in self.runner.running.items():
-                if job.assignment.epoch < epoch:
-                    self.runner.stop(assignment_id, reason=f"fenced: epoch {job.assignment.epoch} < {epoch}")
+
+    def _forget_previous_node(self, node_id: str) -> None:
+        """A different node id means a new epoch and assignment-id space (the old node was deleted,
+        or this is another broker): jobs of the old node stop, its records are dropped."""
+        for assignment_id in list(self.runner.running):
+            self.runner.stop(assignment_id, reason="the node registered again under a new id")
+        if self.state.node_id is not None:
+            log.warning("registered as a new node %s (was %s): forgetting the old node's assignments",
+                        node_id, self.state.node_id)
+        self.state.node_id = node_id
+        self.state.max_epoch = 0
+        self.state.jobs = {aid: rec for aid, rec in self.state.jobs.items() if rec.state == "running"}
+        self.store.save_state(self.state)
 
     # -- assignments -------------------------------------------------------------------------
     def _sync_assignments(self) -> None:
         assert self.identity is not None
         body = self.client.assignments(self.identity.node_token)
-        self._see_epoch(body.get("epoch"))
         raw_list = body.get("assignments")
         if not isinstance(raw_list, list):
             raise BrokerUnavailable("assignments answer has no list")
-        listed: set[str] = set()
+        epoch = body.get("epoch")
+        epoch = epoch if isinstance(epoch, int) else self.state.max_epoch
+        if epoch < self.state.max_epoch:
+            # A view older than one we already had (a lagging replica, a replayed answer): acting
+            # on it could start work on GPUs that were given to someone else since. Refuse what is
+            # new in it and change nothing else.
+            for raw in raw_list:
+                if isinstance(raw, dict) and raw.get("id") is not None and str(raw["id"]) not in self.runner.running:
+                    self._refuse_once(str(raw["id"]), str(raw.get("job_id", "")), _int(raw.get("epoch")),
+                                      f"stale epoch {epoch}: this node has seen epoch {self.state.max_epoch}")
+            return
+        self._see_epoch(epoch)
+        assignments: list[Assignment] = []
         for raw in raw_list:
             try:
                 assignment = Assignment.from_json(raw)
+                if assignment.epoch > epoch:
+                    raise AssignmentInvalid(f"its epoch {assignment.epoch} is newer than the list's epoch {epoch}")
             except AssignmentInvalid as err:
                 if isinstance(raw, dict) and raw.get("id") is not None:
-                    listed.add(str(raw["id"]))
-                    self._refuse_once(str(raw["id"]), str(raw.get("job_id", "")), int(raw.get("epoch") or 0),
+                    self._refuse_once(str(raw["id"]), str(raw.get("job_id", "")), _int(raw.get("epoch")),
                                       f"invalid assignment: {err}")
                 continue
-            listed.add(assignment.id)
-            self._apply(assignment)
-        # The list is the node's whole desired state: a running job missing from it was taken away.
+            assignments.append(assignment)
+        listed = {a.id for a in assignments}
+        # The list is the node's whole desired state: a running job missing from it was taken away
+        # (released, or the node was marked lost and the job restarted elsewhere): fence it.
         for assignment_id in list(self.runner.running):
             if assignment_id not in listed:
                 self.runner.stop(assignment_id, reason="assignment withdrawn by the broker")
+        # Stops and checkpoints first, starts last, so a start can see which GPUs are being freed.
+        for a in sorted(assignments, key=lambda a: (a.action == "start", a.epoch, a.id)):
+            self._apply(a, listed)
         self.backend.note_busy_gpus(self.runner.busy_gpus())
 
-    def _apply(self, a: Assignment) -> None:
+    def _apply(self, a: Assignment, listed: set[str]) -> None:
         running = self.runner.running.get(a.id)
         record = self.state.jobs.get(a.id)
-        if a.epoch < self.state.max_epoch:
-            if running is not None:
-                self.runner.stop(a.id, reason=f"fenced: epoch {a.epoch} < {self.state.max_epoch}")
-            else:
-                self._refuse_once(a.id, a.job_id, a.epoch,
-                                  f"stale epoch {a.epoch}: this node has seen epoch {self.state.max_epoch}")
-            return
         if a.action == "stop":
             if running is not None:
                 self.runner.stop(a.id, reason="stop requested by the broker")
@@ -316,7 +339,10 @@ class Agent:
         # action == "start"
         if running is not None or record is not None:
             return  # already running, or already ran: never start an assignment twice
-        problem = self._gpu_problem(a)
+        problem, wait = self._gpu_problem(a, listed)
+        if wait:
+            log.info("assignment %s waits: %s", a.id, wait)
+            return  # still listed next time; started once the GPUs are free
         if problem:
             self._refuse_once(a.id, a.job_id, a.epoch, problem)
             return
@@ -328,23 +354,29 @@ class Agent:
         self._record_running(job)
         self._queue(a.id, a.job_id, a.epoch, "running", None, f"started pid {job.pid}", pid=job.pid)
 
-    def _gpu_problem(self, a: Assignment) -> str | None:
+    def _gpu_problem(self, a: Assignment, listed: set[str]) -> tuple[str | None, str | None]:
+        """(reason to refuse, reason to wait). Waiting is for GPUs whose previous job is still stopping."""
         inventory = self.backend.inventory()
         by_index = {g.index: g for g in inventory.gpus}
         health = {r.index: r for r in self.last_sample}
-        busy = self.runner.busy_gpus()
         for position, index in enumerate(a.gpu_indices):
             gpu = by_index.get(index)
             if gpu is None:
-                return f"GPU {index} does not exist on this node ({len(by_index)} GPUs)"
+                return f"GPU {index} does not exist on this node ({len(by_index)} GPUs)", None
             if a.gpu_uuids is not None and gpu.uuid != a.gpu_uuids[position]:
-                return f"GPU {index} is {gpu.uuid}, not {a.gpu_uuids[position]} (GPU numbering changed?)"
-            if index in busy:
-                return f"GPU {index} is already in use by another assignment on this node"
+                return f"GPU {index} is {gpu.uuid}, not {a.gpu_uuids[position]} (GPU numbering changed?)", None
             reading = health.get(index)
             if reading is not None and reading.health is Health.FAILED:
-                return f"GPU {index} is FAILED: {'; '.join(reading.health_reasons)}"
-        return None
+                return f"GPU {index} is FAILED: {'; '.join(reading.health_reasons)}", None
+        wait = None
+        for index in a.gpu_indices:
+            holders = [job for job in self.runner.running.values() if index in job.assignment.gpu_indices]
+            current = sum(j.assignment.gpu_milli for j in holders if j.assignment.id in listed and not j.stop_reason)
+            if current + a.gpu_milli > 1000:
+                return f"GPU {index} is already in use by another assignment on this node", None
+            if sum(j.assignment.gpu_milli for j in holders) + a.gpu_milli > 1000:
+                wait = f"GPU {index} is still held by a job that is stopping"
+        return None, wait
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _queue(self, assignment_id: str, job_id: str, epoch: int, state: str, exit_code: int | None,
@@ -403,6 +435,13 @@ class Agent:
             self._queue(record.assignment_id, record.job_id, record.epoch, "failed", None,
                         f"agent restarted while the job ran; {how} and its exit status is unknown")
         self.store.save_state(self.state)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def default_state_dir(name: str) -> Path:

@@ -46,6 +46,7 @@ class JobRecord:
 @dataclass
 class AgentState:
     agent_key: str
+    node_id: str | None = None  # the node the epoch and the job records below belong to
     max_epoch: int = 0
     outbox: list[dict[str, Any]] = field(default_factory=list)
     jobs: dict[str, JobRecord] = field(default_factory=dict)
@@ -89,6 +90,7 @@ class StateStore:
     def load_state(self) -> AgentState:
         data = _read_json(self.state_path) or {}
         state = AgentState(agent_key=data.get("agent_key") or secrets.token_hex(16))
+        state.node_id = data.get("node_id")
         state.max_epoch = int(data.get("max_epoch") or 0)
         state.outbox = list(data.get("outbox") or [])
         for aid, rec in (data.get("jobs") or {}).items():
@@ -104,6 +106,7 @@ class StateStore:
         state.prune_finished()
         data = {
             "agent_key": state.agent_key,
+            "node_id": state.node_id,
             "max_epoch": state.max_epoch,
             "outbox": state.outbox,
             "jobs": {aid: asdict(rec) for aid, rec in state.jobs.items()},

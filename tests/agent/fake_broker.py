@@ -14,6 +14,7 @@ class FakeBrokerState:
     join_token: str = "join-secret"
     heartbeat_seconds: int = 5
     epoch: int = 1
+    assignments_epoch: int | None = None  # answer assignments from an older view (a lagging replica)
     lost: bool = False
     fail_with: int | None = None  # answer every request with this status (e.g. 503)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)  # node_token -> registration
@@ -121,7 +122,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, {"epoch": state.epoch, "lost": state.lost,
                                         "heartbeat_seconds": state.heartbeat_seconds})
             if method == "GET" and self.path == "/api/v1/agent/assignments":
-                return self._send(200, {"epoch": state.epoch, "assignments": list(state.assignments)})
+                epoch = state.epoch if state.assignments_epoch is None else state.assignments_epoch
+                return self._send(200, {"epoch": epoch, "assignments": list(state.assignments)})
             prefix, suffix = "/api/v1/agent/assignments/", "/status"
             if method == "POST" and self.path.startswith(prefix) and self.path.endswith(suffix):
                 assignment_id = self.path[len(prefix) : -len(suffix)]

@@ -156,6 +156,8 @@ def test_stop_all_ends_every_job(tmp_path):
         ({"gpu_uuids": ["GPU-1"]}, "one UUID per entry"),
         ({"command": []}, "non-empty"),
         ({"env": {"A": 1}}, "string values"),
+        ({"gpu_milli": 0}, "gpu_milli"),
+        ({"gpu_milli": 1500}, "gpu_milli"),
     ],
 )
 def test_invalid_assignments_are_explained(change, fragment):

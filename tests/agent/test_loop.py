@@ -271,16 +271,19 @@ def test_an_assignment_is_never_started_twice(tmp_path, broker, clock):
 
 
 def test_stale_epoch_is_refused_and_the_job_never_starts(tmp_path, broker, clock):
-    broker.state.epoch = 5
+    broker.state.epoch = 5  # the heartbeat answer says 5 ...
+    broker.state.assignments_epoch = 3  # ... then a lagging replica answers with its view at 3
     broker.state.assignments = [start_assignment(epoch=3)]
     agent = make_agent(tmp_path, broker, clock)
     agent.step()
     (refusal,) = broker.statuses_for("a1")
-    assert refusal["state"] == "refused" and "stale epoch 3" in refusal["message"] and "epoch 5" in refusal["message"]
+    assert refusal["state"] == "refused"
+    assert refusal["message"] == "stale epoch 3: this node has seen epoch 5"
     assert not (tmp_path / "state" / "jobs" / "a1").exists()
+    broker.state.assignments_epoch = None
     clock.advance(5)
     agent.step()
-    assert states(broker, "a1") == ["refused"]  # refused once, not on every poll
+    assert states(broker, "a1") == ["refused"]  # refused once, and never started afterwards
 
 
 def test_stale_epoch_is_remembered_across_restarts(tmp_path, broker, clock):
@@ -292,16 +295,96 @@ def test_stale_epoch_is_remembered_across_restarts(tmp_path, broker, clock):
     assert states(broker, "a1") == ["refused"]
 
 
-def test_epoch_bump_fences_a_running_job(tmp_path, broker, clock):
+def test_a_stale_view_stops_nothing(tmp_path, broker, clock):
+    broker.state.assignments = [start_assignment(command=jobscripts.SLEEPER)]
+    agent = make_agent(tmp_path, broker, clock)
+    agent.step()
+    broker.state.epoch, broker.state.assignments_epoch = 3, 2
+    broker.state.assignments = []  # an old view in which a1 did not exist yet
+    for _ in range(6):
+        clock.advance(1)
+        agent.step()
+    assert states(broker, "a1") == ["running"] and "a1" in agent.runner.running
+    broker.state.assignments_epoch = None  # the current view: a1 really was released
+    pump(agent, clock, lambda: "stopped" in states(broker, "a1"), what="stop")
+
+
+def test_a_newer_epoch_alone_does_not_stop_a_listed_job(tmp_path, broker, clock):
+    # The broker bumps the node epoch on every assignment change, e.g. when another job is placed.
+    broker.state.assignments = [start_assignment(command=jobscripts.SLEEPER)]
+    agent = make_agent(tmp_path, broker, clock)
+    agent.step()
+    broker.state.epoch = 2
+    broker.state.assignments = [start_assignment(command=jobscripts.SLEEPER),
+                                start_assignment(id="a2", job_id="j2", epoch=2, gpu_indices=[0])]
+    for _ in range(6):
+        clock.advance(1)
+        agent.step()
+    assert states(broker, "a1") == ["running"] and states(broker, "a2")[0] == "running"
+    agent.shutdown()
+
+
+def test_an_older_assignment_first_seen_in_a_newer_list_starts(tmp_path, broker, clock):
+    broker.state.epoch = 7  # other allocations came and went while this agent was away
+    broker.state.assignments = [start_assignment(epoch=3)]
+    make_agent(tmp_path, broker, clock).step()
+    assert states(broker, "a1")[0] == "running"
+
+
+def test_an_assignment_newer_than_its_list_is_refused(tmp_path, broker, clock):
+    broker.state.assignments = [start_assignment(epoch=2)]
+    make_agent(tmp_path, broker, clock).step()
+    (refusal,) = broker.statuses_for("a1")
+    assert refusal["message"] == "invalid assignment: its epoch 2 is newer than the list's epoch 1"
+
+
+def test_node_marked_lost_gets_its_jobs_withdrawn_and_stopped(tmp_path, broker, clock):
     broker.state.assignments = [start_assignment(command=jobscripts.SLEEPER)]
     agent = make_agent(tmp_path, broker, clock)
     agent.step()
     pump(agent, clock, lambda: (tmp_path / "state" / "jobs" / "a1" / "ready").exists(), what="job ready")
-    broker.state.epoch = 2  # the broker marked the node lost and gave the work away
-    broker.state.lost = True
+    broker.state.epoch, broker.state.lost = 2, True  # released while the node was unreachable
+    broker.state.assignments = []
     pump(agent, clock, lambda: "stopped" in states(broker, "a1"), what="fence")
-    assert "fenced: epoch 1 < 2" in broker.statuses_for("a1")[-1]["message"]
+    assert "withdrawn" in broker.statuses_for("a1")[-1]["message"]
     assert agent.broker_says_lost
+
+
+def test_fractional_jobs_share_a_gpu_up_to_a_whole_one(tmp_path, broker, clock):
+    half = {"gpu_indices": [2], "gpu_milli": 500, "command": jobscripts.SLEEPER}
+    broker.state.assignments = [start_assignment(id=f"a{i}", job_id=f"j{i}", **half) for i in (1, 2, 3)]
+    agent = make_agent(tmp_path, broker, clock)
+    agent.step()
+    assert states(broker, "a1") == ["running"] and states(broker, "a2") == ["running"]
+    assert broker.statuses_for("a3")[0]["message"] == "GPU 2 is already in use by another assignment on this node"
+    agent.shutdown()
+
+
+def test_a_start_waits_for_the_gpu_its_previous_job_is_leaving(tmp_path, broker, clock):
+    broker.state.assignments = [start_assignment(command=jobscripts.STUBBORN, gpu_indices=[1])]
+    agent = make_agent(tmp_path, broker, clock, stop_grace_s=10.0)
+    agent.step()
+    pump(agent, clock, lambda: (tmp_path / "state" / "jobs" / "a1" / "ready").exists(), what="job ready",
+         advance=0.1)
+    broker.state.epoch = 3  # a1 released, a2 placed on the same GPU
+    broker.state.assignments = [start_assignment(id="a2", job_id="j2", epoch=3, gpu_indices=[1])]
+    clock.advance(5)
+    agent.step()
+    assert states(broker, "a2") == []  # neither started nor refused: GPU 1 is still being freed
+    assert agent.runner.running["a1"].stop_reason
+    pump(agent, clock, lambda: "running" in states(broker, "a2"), what="a2 start")
+    assert states(broker, "a1")[-1] == "stopped"
+
+
+def test_registering_as_a_new_node_starts_a_new_epoch_space(tmp_path, broker, clock):
+    broker.state.epoch = 9
+    agent = make_agent(tmp_path, broker, clock)
+    agent.step()
+    broker.state.revoked_tokens.add(agent.identity.node_token)  # the node was deleted on the broker
+    broker.state.epoch = 1
+    broker.state.assignments = [start_assignment(epoch=1)]
+    pump(agent, clock, lambda: states(broker, "a1"), what="a1 handled by the new node")
+    assert agent.identity.node_id == "n2" and states(broker, "a1")[0] == "running"
 
 
 def test_withdrawn_assignment_is_stopped(tmp_path, broker, clock):
