@@ -60,6 +60,10 @@ class ProviderError(Exception):
         self.provider = provider
         self.code = code  # the provider's own error code, e.g. InsufficientInstanceCapacity
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Celery and multiprocessing pickle exceptions; keep kind/retry_elsewhere across that.
+        return (_rebuild_provider_error, (self.kind.value, self.message, self.retry_elsewhere, self.provider, self.code))
+
     @property
     def permanent(self) -> bool:
         """True when repeating the same call unchanged cannot succeed."""
@@ -69,6 +73,10 @@ class ProviderError(Exception):
         where = f"{self.provider}: " if self.provider else ""
         code = f" [{self.code}]" if self.code else ""
         return f"{where}{self.kind.value}{code}: {self.message}"
+
+
+def _rebuild_provider_error(kind: str, message: str, retry_elsewhere: bool, provider: str, code: str) -> ProviderError:
+    return ProviderError(ErrorKind(kind), message, retry_elsewhere=retry_elsewhere, provider=provider, code=code)
 
 
 class InstanceState(str, Enum):

@@ -110,6 +110,7 @@ class AwsProvider(Provider):
         self.key_name = key_name
         self.root_volume_gib = root_volume_gib
         self.agent_install_command = agent_install_command
+        self._session = session
         self._client_factory = client_factory or (
             lambda region: make_ec2_client(region, session=session, endpoint_url=endpoint_url)
         )
@@ -154,7 +155,7 @@ class AwsProvider(Provider):
         if request.region in self.image_ids:
             return self.image_ids[request.region]
         try:
-            ssm = boto3.session.Session().client("ssm", region_name=request.region)
+            ssm = (self._session or boto3.session.Session()).client("ssm", region_name=request.region)
             image = ssm.get_parameter(Name=DEFAULT_AMI_SSM_PARAMETER)["Parameter"]["Value"]
         except (ClientError, BotoCoreError) as exc:
             raise ProviderError(ErrorKind.BAD_REQUEST, f"no AMI configured for {request.region} and the "

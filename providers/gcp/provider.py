@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from datetime import datetime
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1

@@ -48,6 +48,15 @@ def test_provider_error_defaults(kind: ErrorKind, elsewhere: bool, permanent: bo
     assert str(error) == f"aws: {kind.value} [C]: x"
 
 
+def test_provider_error_survives_pickling() -> None:
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ProviderError(ErrorKind.CAPACITY, "no p5", provider="aws",
+                                                    code="InsufficientInstanceCapacity", retry_elsewhere=False)))
+    assert (error.kind, error.message, error.retry_elsewhere, error.provider, error.code) == (
+        ErrorKind.CAPACITY, "no p5", False, "aws", "InsufficientInstanceCapacity")
+
+
 def test_join_token_not_in_repr() -> None:
     request = make_request(provider="aws", instance_type="p5.48xlarge", zone="us-east-1a", region="us-east-1")
     assert "join-secret-123" not in repr(request)
