@@ -64,6 +64,9 @@ class ReconcileReport:
     terminated_confirmed: list[GoneConfirmation] = field(default_factory=list)  # records we were terminating
     lost: list[GoneConfirmation] = field(default_factory=list)  # records gone without our asking (spot, failure)
     termination_retried: list[InstanceInfo] = field(default_factory=list)
+    # Recorded, not asked to terminate, but shutting down (e.g. a spot interruption under way):
+    # not gone yet, so not `lost`; the broker may start moving the work now.
+    going_away: list[InstanceInfo] = field(default_factory=list)
     launches_not_found: list[KnownInstance] = field(default_factory=list)  # no id, no tagged instance, past grace
     unconfirmed: list[KnownInstance] = field(default_factory=list)  # not listed, but not confirmed gone either
     errors: list[str] = field(default_factory=list)
@@ -71,7 +74,7 @@ class ReconcileReport:
     @property
     def clean(self) -> bool:
         return not (self.adopted or self.orphans_terminating or self.orphans_in_grace or self.lost
-                    or self.launches_not_found or self.errors)
+                    or self.going_away or self.launches_not_found or self.errors)
 
 
 def _utcnow() -> datetime:
@@ -176,6 +179,8 @@ def _check_recorded(provider: Provider, record: KnownInstance, instance: Instanc
         report.termination_retried.append(instance if dry_run else _terminate(provider, instance.ref, report))
     elif record.terminating:
         report.unconfirmed.append(record)
+    elif instance.state is InstanceState.TERMINATING:
+        report.going_away.append(instance)
     else:
         report.matched.append(instance)
 
