@@ -105,6 +105,7 @@ class GcpProvider(Provider):
         *,
         broker_id: str,
         project: str,
+        regions: Sequence[str] = (),
         zones: Sequence[str] = (),
         offers: Sequence[Offer] | None = None,
         image: str = DEFAULT_IMAGE,
@@ -121,6 +122,7 @@ class GcpProvider(Provider):
     ) -> None:
         super().__init__(broker_id=broker_id)
         self.project = project
+        self.regions = list(regions)  # offers are limited to these regions/zones when given
         self.zones = list(zones)
         self._catalog_offers = offers
         self.image = image
@@ -171,7 +173,8 @@ class GcpProvider(Provider):
 
             self._catalog_offers = load_default_catalog().offers
         return [o for o in self._catalog_offers
-                if o.provider == "gcp" and (not self.zones or o.zone in self.zones)]
+                if o.provider == "gcp" and (not self.regions or o.region in self.regions)
+                and (not self.zones or o.zone in self.zones)]
 
     def labels_for(self, request: ProvisionRequest) -> dict[str, str]:
         tags = self.broker_tags(request)

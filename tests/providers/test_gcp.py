@@ -174,3 +174,18 @@ def test_refresh_availability_from_accelerator_types(gcp: GcpProvider, fake_gce:
     report = refresh_availability(offers, GcpAvailability(gcp.accelerator_types_client(), PROJECT))
     assert [o.available for o in report.offers] == [True, True, False, True]
     assert not report.errors
+
+
+def test_offers_come_from_catalog_limited_to_regions_and_zones(fake_gce: FakeGceServer) -> None:
+    def provider(**kwargs: object) -> GcpProvider:
+        return GcpProvider(broker_id=BROKER_ID, project=PROJECT, credentials=AnonymousCredentials(),
+                           api_endpoint=fake_gce.endpoint, **kwargs)  # type: ignore[arg-type]
+
+    everywhere = provider().list_offers()
+    assert {o.region for o in everywhere} >= {"us-central1", "us-east4"}
+    east = provider(regions=["us-east4"]).list_offers()
+    assert east and {o.region for o in east} == {"us-east4"}
+    one_zone = provider(zones=[ZONE]).list_offers()
+    assert one_zone and {o.zone for o in one_zone} == {ZONE}
+    a2 = [o for o in one_zone if o.instance_type == "a2-highgpu-1g"]
+    assert a2 and a2[0].on_demand_per_hour == pytest.approx(3.67339, abs=1e-5)
