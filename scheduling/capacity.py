@@ -65,7 +65,7 @@ class NodeCapacity:
 
     # ---------------------------------------------------------------------------- GPU choice
 
-    def _eligible(self, position: int, part: PartDemand) -> bool:
+    def eligible(self, position: int, part: PartDemand) -> bool:
         gpu = self.node.gpus[position]
         if not gpu.healthy:
             return False
@@ -83,7 +83,7 @@ class NodeCapacity:
             return None
         if part.gpus == 0:
             return ()
-        eligible = [p for p in range(len(self.node.gpus)) if self._eligible(p, part)]
+        eligible = [p for p in range(len(self.node.gpus)) if self.eligible(p, part)]
         if part.fractional:
             if not eligible:
                 return None

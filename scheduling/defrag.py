@@ -1,2 +1,118 @@
-def plan_defragmentation(problem, book, pending):
-    return ()
+"""Defragmentation plan: move small checkpointable jobs so a blocked job gets a whole node/island.
+
+Rules (DESIGN.md, issue 4):
+- only for a job that total free capacity could hold (enough free GPUs of a model it accepts
+  across all nodes) but no single node can;
+- only jobs that are checkpointable, preemptible, have a demand to be placed again, have run at
+  least `Policy.min_run_before_move_s`, and are not above the blocked job's priority, are moved;
+- before proposing, every moved job is placed again elsewhere on the capacity left after this
+  cycle (a what-if run of the greedy placer); if any cannot be, nothing is proposed;
+- at most `Policy.max_moves_per_cycle` moves per cycle in total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from scheduling.book import Book
+from scheduling.greedy import place_greedily
+from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, RunningAllocation
+from scheduling.problem import Problem, build_problem
+from scheduling.whatif import could_ever_fit, minimal_victims, release, running_by_node
+
+# Nodes tried per blocked job (fewest moves first), to bound the what-if work per cycle.
+NODES_TRIED = 8
+# Blocked jobs considered per cycle (highest priority, then oldest): the rest wait a cycle.
+JOBS_CONSIDERED = 16
+
+
+def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tuple[Migration, ...]:
+    policy = problem.policy
+    budget = policy.max_moves_per_cycle
+    if budget <= 0:
+        return ()
+    by_node = running_by_node(problem)
+    if not any(_movable(a, a.priority, policy) for allocations in by_node.values() for a in allocations):
+        return ()
+    moved: set[str] = set()
+    plan: list[Migration] = []
+    order = sorted(pending, key=lambda j: (-problem.jobs_by_id[j].priority, problem.jobs_by_id[j].submitted_at, j))
+    for job_id in order[:JOBS_CONSIDERED]:
+        if len(plan) >= budget:
+            break
+        job = problem.jobs_by_id[job_id]
+        if job.nodes > 1 or problem.classes[problem.class_of[job_id]].invalid:
+            continue
+        # Static filters (model, provider, price, ...) do not depend on free capacity: ask each shape once.
+        compatible = sorted(p for t in problem.targets if t.kind == "node"
+                            and could_ever_fit(problem, job, t.rep, t.members[0]) for p in t.members)
+        model = book.caps[compatible[0]].node.gpus[0].model if compatible and book.caps[compatible[0]].node.gpus else ""
+        need = problem.pricing.gpu_share(job, model)
+        free_total = sum(sum(m for m in book.caps[p].free_milli) / WHOLE_GPU_MILLI for p in compatible)
+        if not compatible or free_total + 1e-9 < need:
+            continue  # defragmenting cannot help: the free capacity is not there at all
+        options = []
+        for position in compatible:
+            movable = [a for a in by_node.get(position, []) if a.job_id not in moved and _movable(a, job.priority, policy)]
+            if not movable:
+                continue
+            found = minimal_victims(problem, job, book, position, movable)
+            if found is not None and len(found[0]) <= budget - len(plan) and book.admits(job, found[1]):
+                options.append((len(found[0]), sum(a.lost_work_s for a in found[0]), book.caps[position].node.id,
+                                position, found))
+        for _, _, _, position, (movers, target, part, positions) in sorted(options)[:NODES_TRIED]:
+            destinations = _replace_elsewhere(problem, book, position, movers)
+            if destinations is None:
+                continue
+            cap = book.caps[position]
+            for allocation in movers:
+                release(cap, allocation)
+                moved.add(allocation.job_id)
+            cap.take(positions, part)  # reserved for the blocked job
+            book.refresh_node(position)
+            for allocation, (to_position, to_part, to_positions) in zip(movers, destinations):
+                destination = book.caps[to_position]
+                destination.take(to_positions, to_part)
+                book.refresh_node(to_position)
+                plan.append(Migration(
+                    job_id=allocation.job_id, from_node_id=cap.node.id, reason="defragmentation", for_job_id=job_id,
+                    to=PlacementPart(gpu_indices=destination.gpu_indices(to_positions), gpu_milli=to_part.milli,
+                                     node_id=destination.node.id)))
+            break
+    return tuple(plan)
+
+
+def _movable(allocation: RunningAllocation, priority: int, policy) -> bool:
+    return (allocation.checkpointable and allocation.preemptible and allocation.demand is not None
+            and allocation.run_seconds >= policy.min_run_before_move_s and allocation.priority <= priority)
+
+
+def _replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[RunningAllocation]):
+    """Place every mover on another node of the current book (what-if); None if any fails."""
+    capacities = [cap.copy() for cap in book.caps]
+    capacities[source].schedulable = False  # a moved job must land somewhere else
+    demands = tuple(replace(a.demand, job_id=a.job_id, submitted_at=0.0) for a in movers)  # type: ignore[arg-type]
+    snapshot = replace(problem.snapshot, pending=demands, offers=(), running=())
+    mini = build_problem(snapshot, replace(problem.policy, method="greedy"), capacities)
+    trial = Book(mini, capacities)
+    if place_greedily(mini, trial, [d.job_id for d in demands]):
+        return None
+    result = []
+    position_of = {cap.node.id: p for p, cap in enumerate(book.caps)}
+    part_by_job = {d.job_id: next(c.part for c in mini.classes[mini.class_of[d.job_id]].candidates
+                                  if c.target == _target_of(mini, trial, d.job_id)) for d in demands}
+    for demand in demands:
+        placement = trial.placements[demand.job_id]
+        node_position = position_of[placement.node_id]  # type: ignore[index]
+        gpus = book.caps[node_position].node.gpus
+        positions = tuple(p for p, g in enumerate(gpus) if g.index in placement.gpu_indices)
+        result.append((node_position, part_by_job[demand.job_id], positions))
+    return result
+
+
+def _target_of(problem: Problem, book: Book, job_id: str) -> int:
+    node_id = book.placements[job_id].node_id
+    for index, target in enumerate(problem.targets):
+        if target.kind == "node" and any(problem.capacities[m].node.id == node_id for m in target.members):
+            return index
+    raise KeyError(job_id)
