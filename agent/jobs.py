@@ -118,6 +118,7 @@ class JobExit:
     state: str  # exited | failed | stopped
     exit_code: int | None
     message: str
+    reason: str  # exit | exit_code | signal | requested | withdrawn | agent_shutdown | new_node
 
 
 @dataclass
@@ -126,6 +127,7 @@ class RunningJob:
     process: subprocess.Popen[bytes]
     workdir: Path
     stop_reason: str | None = None
+    stop_code: str | None = None
     kill_at: float | None = None
     checkpoint_requests: list[str] = field(default_factory=list)
 
@@ -243,11 +245,14 @@ class JobRunner:
             return "file_only"
         return "signalled"
 
-    def stop(self, assignment_id: str, *, reason: str) -> None:
+    def stop(self, assignment_id: str, *, reason: str, code: str = "requested") -> None:
+        """SIGTERM the job's process group; SIGKILL follows in poll() after the grace period.
+        `code` says why, for the broker: requested | withdrawn | agent_shutdown | new_node."""
         job = self._running.get(assignment_id)
         if job is None or job.stop_reason is not None:
             return
         job.stop_reason = reason
+        job.stop_code = code
         job.kill_at = self._clock() + self.stop_grace_s
         _signal_group(job.process, signal.SIGTERM)
 
@@ -269,7 +274,7 @@ class JobRunner:
 
     def stop_all(self, *, reason: str, wait: Callable[[float], Any] = time.sleep) -> list[JobExit]:
         for assignment_id in list(self._running):
-            self.stop(assignment_id, reason=reason)
+            self.stop(assignment_id, reason=reason, code="agent_shutdown")
         exits: list[JobExit] = []
         deadline = self._clock() + self.stop_grace_s + 5.0
         while self._running and self._clock() < deadline:
@@ -283,12 +288,13 @@ def _exit_of(job: RunningJob, code: int) -> JobExit:
     a = job.assignment
     if job.stop_reason is not None:
         how = f"exit code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
-        return JobExit(a.id, a.job_id, a.epoch, "stopped", code, f"{job.stop_reason} ({how})")
+        return JobExit(a.id, a.job_id, a.epoch, "stopped", code, f"{job.stop_reason} ({how})",
+                       job.stop_code or "requested")
     if code == 0:
-        return JobExit(a.id, a.job_id, a.epoch, "exited", 0, "exited with code 0")
+        return JobExit(a.id, a.job_id, a.epoch, "exited", 0, "exited with code 0", "exit")
     if code < 0:
-        return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"killed by signal {_signal_name(-code)}")
-    return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"exited with code {code}")
+        return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"killed by signal {_signal_name(-code)}", "signal")
+    return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"exited with code {code}", "exit_code")
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -263,7 +263,7 @@ class Agent:
         """A different node id means a new epoch and assignment-id space (the old node was deleted,
         or this is another broker): jobs of the old node stop, its records are dropped."""
         for assignment_id in list(self.runner.running):
-            self.runner.stop(assignment_id, reason="the node registered again under a new id")
+            self.runner.stop(assignment_id, reason="the node registered again under a new id", code="new_node")
         if self.state.node_id is not None:
             log.warning("registered as a new node %s (was %s): forgetting the old node's assignments",
                         node_id, self.state.node_id)
@@ -288,7 +288,8 @@ class Agent:
             for raw in raw_list:
                 if isinstance(raw, dict) and raw.get("id") is not None and str(raw["id"]) not in self.runner.running:
                     self._refuse_once(str(raw["id"]), str(raw.get("job_id", "")), _int(raw.get("epoch")),
-                                      f"stale epoch {epoch}: this node has seen epoch {self.state.max_epoch}")
+                                      f"stale epoch {epoch}: this node has seen epoch {self.state.max_epoch}",
+                                      reason="stale_epoch")
             return
         self._see_epoch(epoch)
         assignments: list[Assignment] = []
@@ -300,7 +301,7 @@ class Agent:
             except AssignmentInvalid as err:
                 if isinstance(raw, dict) and raw.get("id") is not None:
                     self._refuse_once(str(raw["id"]), str(raw.get("job_id", "")), _int(raw.get("epoch")),
-                                      f"invalid assignment: {err}")
+                                      f"invalid assignment: {err}", reason="invalid")
                 continue
             assignments.append(assignment)
         listed = {a.id for a in assignments}
@@ -308,7 +309,7 @@ class Agent:
         # (released, or the node was marked lost and the job restarted elsewhere): fence it.
         for assignment_id in list(self.runner.running):
             if assignment_id not in listed:
-                self.runner.stop(assignment_id, reason="assignment withdrawn by the broker")
+                self.runner.stop(assignment_id, reason="assignment withdrawn by the broker", code="withdrawn")
         # Stops and checkpoints first, starts last, so a start can see which GPUs are being freed.
         for a in sorted(assignments, key=lambda a: (a.action == "start", a.epoch, a.id)):
             self._apply(a, listed)
@@ -321,7 +322,7 @@ class Agent:
             if running is not None:
                 self.runner.stop(a.id, reason="stop requested by the broker")
             elif record is None:
-                self._finish_unstarted(a, "stopped", "stopped before it started")
+                self._finish_unstarted(a, "stopped", "stopped before it started", reason="requested")
             return
         if a.action == "checkpoint":
             if running is not None:
@@ -331,56 +332,60 @@ class Agent:
                     detail = "request file written, SIGUSR1 sent" if how == "signalled" else (
                         "request file written; the job has no SIGUSR1 handler, so no signal was sent")
                     self._queue(a.id, a.job_id, a.epoch, "checkpoint_requested", None,
-                                f"checkpoint request {request_id}: {detail}")
+                                f"checkpoint request {request_id}: {detail}", reason=how)
                     self._record_running(self.runner.running[a.id])
             elif record is None:
-                self._finish_unstarted(a, "failed", "checkpoint requested but the job is not running on this node")
+                self._finish_unstarted(a, "failed", "checkpoint requested but the job is not running on this node",
+                                       reason="not_running")
             return
         # action == "start"
         if running is not None or record is not None:
             return  # already running, or already ran: never start an assignment twice
         problem, wait = self._gpu_problem(a, listed)
+        if problem:
+            self._refuse_once(a.id, a.job_id, a.epoch, problem[1], reason=problem[0])
+            return
         if wait:
             log.info("assignment %s waits: %s", a.id, wait)
             return  # still listed next time; started once the GPUs are free
-        if problem:
-            self._refuse_once(a.id, a.job_id, a.epoch, problem)
-            return
         try:
             job = self.runner.start(a, node_id=self.identity.node_id if self.identity else None)
         except JobStartError as err:
-            self._finish_unstarted(a, "failed", str(err))
+            self._finish_unstarted(a, "failed", str(err), reason="start_error")
             return
         self._record_running(job)
-        self._queue(a.id, a.job_id, a.epoch, "running", None, f"started pid {job.pid}", pid=job.pid)
+        self._queue(a.id, a.job_id, a.epoch, "running", None, f"started pid {job.pid}", reason="started",
+                    pid=job.pid)
 
-    def _gpu_problem(self, a: Assignment, listed: set[str]) -> tuple[str | None, str | None]:
-        """(reason to refuse, reason to wait). Waiting is for GPUs whose previous job is still stopping."""
+    def _gpu_problem(self, a: Assignment, listed: set[str]) -> tuple[tuple[str, str] | None, str | None]:
+        """((code, message) to refuse, or None; reason to wait, or None).
+        Waiting is for GPUs whose previous job is still stopping."""
         inventory = self.backend.inventory()
         by_index = {g.index: g for g in inventory.gpus}
         health = {r.index: r for r in self.last_sample}
         for position, index in enumerate(a.gpu_indices):
             gpu = by_index.get(index)
             if gpu is None:
-                return f"GPU {index} does not exist on this node ({len(by_index)} GPUs)", None
+                return ("gpu_missing", f"GPU {index} does not exist on this node ({len(by_index)} GPUs)"), None
             if a.gpu_uuids is not None and gpu.uuid != a.gpu_uuids[position]:
-                return f"GPU {index} is {gpu.uuid}, not {a.gpu_uuids[position]} (GPU numbering changed?)", None
+                return ("gpu_mismatch",
+                        f"GPU {index} is {gpu.uuid}, not {a.gpu_uuids[position]} (GPU numbering changed?)"), None
             reading = health.get(index)
             if reading is not None and reading.health is Health.FAILED:
-                return f"GPU {index} is FAILED: {'; '.join(reading.health_reasons)}", None
+                return ("gpu_failed", f"GPU {index} is FAILED: {'; '.join(reading.health_reasons)}"), None
         wait = None
         for index in a.gpu_indices:
             holders = [job for job in self.runner.running.values() if index in job.assignment.gpu_indices]
             current = sum(j.assignment.gpu_milli for j in holders if j.assignment.id in listed and not j.stop_reason)
             if current + a.gpu_milli > 1000:
-                return f"GPU {index} is already in use by another assignment on this node", None
+                return ("gpu_busy", f"GPU {index} is already in use by another assignment on this node"), None
             if sum(j.assignment.gpu_milli for j in holders) + a.gpu_milli > 1000:
                 wait = f"GPU {index} is still held by a job that is stopping"
         return None, wait
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _queue(self, assignment_id: str, job_id: str, epoch: int, state: str, exit_code: int | None,
-               message: str, *, pid: int | None = None) -> None:
+               message: str, *, reason: str, pid: int | None = None) -> None:
         report: dict[str, Any] = {
             "assignment_id": assignment_id,
             "job_id": job_id,
@@ -388,6 +393,7 @@ class Agent:
             "state": state,
             "exit_code": exit_code,
             "message": message,
+            "reason": reason,
             "at": time.time(),
         }
         if pid is not None:
@@ -395,16 +401,16 @@ class Agent:
         self.state.queue_report(report)
         self.store.save_state(self.state)
 
-    def _refuse_once(self, assignment_id: str, job_id: str, epoch: int, message: str) -> None:
+    def _refuse_once(self, assignment_id: str, job_id: str, epoch: int, message: str, *, reason: str) -> None:
         if assignment_id in self.state.jobs:
             return
         log.warning("refusing assignment %s: %s", assignment_id, message)
         self.state.jobs[assignment_id] = JobRecord(assignment_id, job_id, epoch, "refused")
-        self._queue(assignment_id, job_id, epoch, "refused", None, message)
+        self._queue(assignment_id, job_id, epoch, "refused", None, message, reason=reason)
 
-    def _finish_unstarted(self, a: Assignment, state: str, message: str) -> None:
+    def _finish_unstarted(self, a: Assignment, state: str, message: str, *, reason: str) -> None:
         self.state.jobs[a.id] = JobRecord(a.id, a.job_id, a.epoch, state, gpu_indices=list(a.gpu_indices))
-        self._queue(a.id, a.job_id, a.epoch, state, None, message)
+        self._queue(a.id, a.job_id, a.epoch, state, None, message, reason=reason)
 
     def _record_running(self, job: Any) -> None:
         a = job.assignment
@@ -420,7 +426,8 @@ class Agent:
             record.state = exit_.state
             record.pid = None
         log.info("assignment %s: %s", exit_.assignment_id, exit_.message)
-        self._queue(exit_.assignment_id, exit_.job_id, exit_.epoch, exit_.state, exit_.exit_code, exit_.message)
+        self._queue(exit_.assignment_id, exit_.job_id, exit_.epoch, exit_.state, exit_.exit_code, exit_.message,
+                    reason=exit_.reason)
         self.backend.note_busy_gpus(self.runner.busy_gpus())
 
     def _fence_orphans(self) -> None:
@@ -433,7 +440,8 @@ class Agent:
             record.pid = None
             how = "its process was stopped" if killed else "its process was already gone"
             self._queue(record.assignment_id, record.job_id, record.epoch, "failed", None,
-                        f"agent restarted while the job ran; {how} and its exit status is unknown")
+                        f"agent restarted while the job ran; {how} and its exit status is unknown",
+                        reason="agent_crashed")
         self.store.save_state(self.state)
 
 

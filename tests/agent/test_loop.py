@@ -233,7 +233,8 @@ def test_job_starts_with_exactly_its_gpus_and_its_exit_is_reported(tmp_path, bro
     assert running["state"] == "running" and running["epoch"] == 1 and running["pid"] > 0
     pump(agent, clock, lambda: len(broker.statuses_for("a1")) == 2, what="exit report")
     exited = broker.statuses_for("a1")[1]
-    assert (exited["state"], exited["exit_code"], exited["job_id"]) == ("exited", 0, "j1")
+    assert (exited["state"], exited["exit_code"], exited["job_id"], exited["reason"]) == ("exited", 0, "j1", "exit")
+    assert running["reason"] == "started"
     env = json.loads((tmp_path / "state" / "jobs" / "a1" / "env.json").read_text())
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
     assert env["WHALEZEN_JOB_ID"] == "j1" and env["WHALEZEN_CHECKPOINT_URI"] == "file:///ckpt/j1"
@@ -278,7 +279,7 @@ def test_stale_epoch_is_refused_and_the_job_never_starts(tmp_path, broker, clock
     agent.step()
     (refusal,) = broker.statuses_for("a1")
     assert refusal["state"] == "refused"
-    assert refusal["message"] == "stale epoch 3: this node has seen epoch 5"
+    assert refusal["message"] == "stale epoch 3: this node has seen epoch 5" and refusal["reason"] == "stale_epoch"
     assert not (tmp_path / "state" / "jobs" / "a1").exists()
     broker.state.assignments_epoch = None
     clock.advance(5)
@@ -347,6 +348,7 @@ def test_node_marked_lost_gets_its_jobs_withdrawn_and_stopped(tmp_path, broker, 
     broker.state.assignments = []
     pump(agent, clock, lambda: "stopped" in states(broker, "a1"), what="fence")
     assert "withdrawn" in broker.statuses_for("a1")[-1]["message"]
+    assert broker.statuses_for("a1")[-1]["reason"] == "withdrawn"
     assert agent.broker_says_lost
 
 
@@ -462,6 +464,7 @@ def test_a_failed_gpu_gets_no_new_work(tmp_path, broker, clock):
     agent.step()
     (refusal,) = broker.statuses_for("a1")
     assert refusal["state"] == "refused" and refusal["message"].startswith("GPU 1 is FAILED: ")
+    assert refusal["reason"] == "gpu_failed"
 
 
 def test_a_status_the_broker_rejects_is_dropped_and_the_rest_still_go(tmp_path, broker, clock):
@@ -490,6 +493,7 @@ def test_shutdown_stops_jobs_and_reports_them(tmp_path, broker, clock):
     agent.request_stop()
     agent.shutdown()
     assert states(broker, "a1") == ["running", "stopped"]
+    assert broker.statuses_for("a1")[-1]["reason"] == "agent_shutdown"
     assert process_start_ticks(pid) is None  # the process is gone
 
 
@@ -506,6 +510,7 @@ def test_orphans_of_a_crashed_agent_are_stopped_and_reported(tmp_path, broker, c
         assert orphan.wait(timeout=10) != 0
         (report,) = broker.statuses_for("a9")
         assert report["state"] == "failed" and "its process was stopped" in report["message"]
+        assert report["reason"] == "agent_crashed"
     finally:
         orphan.kill()
         orphan.wait()
