@@ -13,10 +13,10 @@ def agent_boot_script(
     install_command: str = DEFAULT_AGENT_INSTALL,
     python: str = "python3",
 ) -> str:
-    """A bash script that installs the agent and starts `python -m agent --server URL
-    --join-token TOKEN --name NAME` as a systemd service. The join token only lets a node
-    register once (the agent then gets its own node token); it is written to a root-only env
-    file, not the unit, so `systemctl show` does not print it."""
+    """A bash script that installs the agent and starts `python -m agent --server URL --name NAME`
+    as a systemd service, with the join token in WHALEZEN_JOIN_TOKEN (the agent reads it like
+    `--join-token`). The token only lets a node register (the agent then gets its own node
+    token); it sits in a root-only env file, never on a command line `ps` can show."""
     for label, value in (("server_url", server_url), ("join_token", join_token), ("node_name", node_name)):
         # Values go into an env file verbatim: a newline or quote would let them inject lines.
         if not value or any(c in value for c in "\n\r\"'`$\\"):
@@ -38,7 +38,7 @@ After=network-online.target
 Wants=network-online.target
 [Service]
 EnvironmentFile=/etc/whalezen/agent.env
-ExecStart=/bin/sh -c 'exec {python} -m agent --server "$WHALEZEN_SERVER" --join-token "$WHALEZEN_JOIN_TOKEN" --name "$WHALEZEN_NODE_NAME"'
+ExecStart=/bin/sh -c 'exec {python} -m agent --server "$WHALEZEN_SERVER" --name "$WHALEZEN_NODE_NAME" --state-dir /var/lib/whalezen-agent'
 Restart=always
 RestartSec=5
 [Install]

@@ -73,13 +73,23 @@ class CloudSimulation:
 
 CommandFactory = Callable[[ProvisionRequest, str, LocalShape], Sequence[str]]
 
+# The agent reads its join token from this variable when --join-token is not given; unlike an
+# argument, `ps` cannot show it to other users of the machine.
+JOIN_TOKEN_ENV = "WHALEZEN_JOIN_TOKEN"
 
-def agent_command(python: str) -> CommandFactory:
-    """`<python> -m agent --server URL --join-token TOKEN --fake-gpus SPEC --name NAME`."""
+
+def agent_command(python: str, state_root: str | os.PathLike[str] | None = None) -> CommandFactory:
+    """`<python> -m agent --server URL --fake-gpus SPEC --name NAME [--state-dir DIR]`; the join
+    token travels in the environment (WHALEZEN_JOIN_TOKEN), which the agent reads like
+    `--join-token`. Each agent gets its own state dir: agents started as root would otherwise
+    all share /var/lib/whalezen-agent and its node token."""
 
     def build(request: ProvisionRequest, name: str, shape: LocalShape) -> list[str]:
-        return [python, "-m", "agent", "--server", request.agent_server_url, "--join-token",
-                request.agent_join_token, "--fake-gpus", shape.fake_gpus, "--name", name]
+        argv = [python, "-m", "agent", "--server", request.agent_server_url, "--fake-gpus", shape.fake_gpus,
+                "--name", name]
+        if state_root is not None:
+            argv += ["--state-dir", str(Path(state_root) / name)]
+        return argv
 
     return build
 
@@ -127,7 +137,7 @@ class LocalProvider(Provider):
         self.shapes = {s.instance_type: s for s in shapes}
         self.region = region
         self.zones = list(zones)
-        self.command_factory = command_factory or agent_command(python)
+        self.command_factory = command_factory or agent_command(python, self.state_dir / "agents")
         self.simulation = simulation
         self.env = env
         self.stop_timeout_s = stop_timeout_s
@@ -230,10 +240,12 @@ class LocalProvider(Provider):
                                     provider="local", code="SimulatedInsufficientCapacity")
             instance_id = f"local-{uuid.uuid4().hex[:12]}"
             name = request.node_name or instance_id
+            env = dict(self.env if self.env is not None else os.environ)
+            env[JOIN_TOKEN_ENV] = request.agent_join_token
             process = processes.spawn(
                 self.command_factory(request, name, shape),
                 log_path=self.state_dir / "logs" / f"{instance_id}.log",
-                env=self.env,
+                env=env,
             )
             self._children[process.pid] = process
             now = self._clock()

@@ -18,11 +18,12 @@ from providers.reconcile import KnownInstance, reconcile
 from tests.providers.conftest import BROKER_ID, make_request
 
 # Stands in for `python -m agent ...`: records its argv, then idles until killed.
-STAND_IN = "import json, sys, time; open(sys.argv[1], 'w').write(json.dumps(sys.argv[2:])); time.sleep(300)"
+STAND_IN = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps("
+            "{'argv': sys.argv[2:], 'token': os.environ.get('WHALEZEN_JOIN_TOKEN')})); time.sleep(300)")
 
 
 def stand_in(argv_dir: Path):
-    real = agent_command(sys.executable)
+    real = agent_command(sys.executable, "/agent-state")
 
     def build(request: ProvisionRequest, name: str, shape: LocalShape) -> Sequence[str]:
         return [sys.executable, "-c", STAND_IN, str(argv_dir / f"{name}.json"), *real(request, name, shape)[1:]]
@@ -68,9 +69,10 @@ def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path) -> No
     request = local_request()
     info = provider.provision(request)
     assert info.state is InstanceState.RUNNING and info.request_key == request.request_key
-    argv = json.loads(wait_for(tmp_path / f"{request.node_name}.json"))
-    assert argv == ["-m", "agent", "--server", "http://broker.test:8000", "--join-token", "join-secret-123",
-                    "--fake-gpus", "8xA100-80GB-SXM", "--name", request.node_name]
+    started = json.loads(wait_for(tmp_path / f"{request.node_name}.json"))
+    assert started["argv"] == ["-m", "agent", "--server", "http://broker.test:8000", "--fake-gpus", "8xA100-80GB-SXM",
+                               "--name", request.node_name, "--state-dir", f"/agent-state/{request.node_name}"]
+    assert started["token"] == "join-secret-123"  # by environment: `ps` must not show it
     assert is_alive(*pid_of(provider, info.ref.instance_id))
 
 
