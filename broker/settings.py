@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "broker.inventory",
     "broker.jobs",
     "broker.scheduler",
+    "broker.provisioning",
 ]
 
 MIDDLEWARE = [
@@ -165,6 +166,16 @@ SPECTACULAR_SETTINGS = {
     "SECURITY": [{"bearerAuth": []}],
 }
 
+# The tag value that marks cloud resources as ours (keep it stable: the reconciler trusts it).
+WHALEZEN_BROKER_ID = os.environ.get("WHALEZEN_BROKER_ID", "whalezen")
+# The URL node agents (on cloud instances too) use to reach this broker.
+WHALEZEN_PUBLIC_URL = os.environ.get("WHALEZEN_PUBLIC_URL", f"http://127.0.0.1:{os.environ.get('PORT', '8000')}")
+# How long a place that failed with a capacity/quota error is left out of the offers.
+WHALEZEN_OFFER_BLOCK_SECONDS = int(os.environ.get("WHALEZEN_OFFER_BLOCK_SECONDS", 900))
+# A cloud instance with no job for this long is terminated; orphans older than the grace are too.
+WHALEZEN_IDLE_INSTANCE_SECONDS = int(os.environ.get("WHALEZEN_IDLE_INSTANCE_SECONDS", 600))
+WHALEZEN_ORPHAN_GRACE_SECONDS = int(os.environ.get("WHALEZEN_ORPHAN_GRACE_SECONDS", 900))
+
 # Largest request body the API parses; bigger ones get a 400 naming `body`.
 WHALEZEN_MAX_BODY_BYTES = int(os.environ.get("WHALEZEN_MAX_BODY_BYTES", 256 * 1024))
 DATA_UPLOAD_MAX_MEMORY_SIZE = WHALEZEN_MAX_BODY_BYTES
@@ -194,6 +205,7 @@ CELERY_TASK_IGNORE_RESULT = True
 WHALEZEN_CYCLE_SECONDS = float(os.environ.get("WHALEZEN_CYCLE_SECONDS", 5))
 CELERY_BEAT_SCHEDULE = {
     "scheduling-sweep": {"task": "scheduler.sweep", "schedule": WHALEZEN_CYCLE_SECONDS},
+    "provisioning-sweep": {"task": "provisioning.sweep", "schedule": 30.0},
 }
 
 LOGGING = {

@@ -54,6 +54,13 @@ class Pool(models.Model):
     )
     join_token_prefix = models.CharField(max_length=16, blank=True)
     join_token_hash = models.CharField(max_length=64, blank=True)
+    provider_config = models.JSONField(
+        default=dict, blank=True,
+        help_text="Provider settings (regions, image ids, endpoint...); never credentials",
+    )
+    max_instances = models.PositiveIntegerField(
+        default=0, help_text="Cloud pools: how many instances the broker may run at once (account quota)"
+    )
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -160,6 +167,12 @@ class CloudInstance(models.Model):
     zone = models.CharField(max_length=64, blank=True)
     spot = models.BooleanField(default=False)
     state = models.CharField(max_length=16, choices=InstanceState.choices, default=InstanceState.REQUESTED)
+    attempt = models.PositiveIntegerField(default=1)
+    node_name = models.CharField(max_length=200, blank=True, help_text="The name its agent registers under")
+    placements = models.JSONField(default=list, blank=True,
+                                  help_text="Jobs waiting for this instance: [{job_id, gpu_indices, milli}]")
+    join_token_hash = models.CharField(max_length=64, blank=True, help_text="One-time agent join token")
+    last_error = models.TextField(blank=True)
     tags = models.JSONField(default=dict, blank=True)
     hourly_price_usd = models.DecimalField(max_digits=10, decimal_places=4, default=Decimal("0"))
     created_at = models.DateTimeField(auto_now_add=True)
@@ -167,3 +180,21 @@ class CloudInstance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.instance_type} {self.provider_id or self.request_key}"
+
+
+class OfferBlock(models.Model):
+    """A place (provider, region, zone, instance type) that just failed with a capacity or quota error.
+
+    The scheduler leaves it out of the offers until `until`, so the next cycle fails over elsewhere.
+    """
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="offer_blocks")
+    region = models.CharField(max_length=64)
+    zone = models.CharField(max_length=64, blank=True)
+    instance_type = models.CharField(max_length=64)
+    until = models.DateTimeField()
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["pool", "until"])]

@@ -128,7 +128,9 @@ def job_transition(*, job: Job, to: str, expected: str | None = None, reason_cod
     if to != JobState.PENDING:
         changes.update(pending_reason_code="", pending_reason="", pending_reason_data={})
     else:
-        changes["next_attempt_at"] = now
+        # A pending job always says why it waits; the next cycle refines the reason.
+        changes.update(next_attempt_at=now, pending_reason_code=reason_code or "REQUEUED",
+                       pending_reason=message or "Back in the queue.", pending_reason_data=data or {})
     with transaction.atomic():
         updated = Job.objects.filter(pk=job.pk, state=old).update(**changes)
         if updated != 1:
@@ -179,8 +181,9 @@ def _slots_for(milli: int) -> int:
     return min(Gpu.SLOTS, max(1, math.ceil(milli * Gpu.SLOTS / 1000)))
 
 
-def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: str = JobState.PENDING) -> list[Allocation]:
-    """Give `job` the requested GPUs and move it to PLACED, or change nothing.
+def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: str = JobState.PENDING,
+                      to_state: str = JobState.PLACED) -> list[Allocation]:
+    """Give `job` the requested GPUs and move it to `to_state` (PLACED), or change nothing.
 
     Locks the nodes in id order (a fixed order, so two commits cannot deadlock), checks health and the
     tenant's GPU quota, then inserts slot rows; the partial unique index refuses any slot already held,
@@ -220,7 +223,7 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
                     slices += [AllocationSlice(allocation=alloc, gpu=gpu, slot=s) for s in free[:slot_count]]
                 AllocationSlice.objects.bulk_create(slices)
                 allocations.append(alloc)
-            job_transition(job=job, to=JobState.PLACED, expected=expected_state, reason_code="PLACED",
+            job_transition(job=job, to=to_state, expected=expected_state, reason_code="PLACED",
                            message="Placed on " + ", ".join(
                                f"{r.node.name}[{','.join(map(str, r.gpu_indices))}]" for r in requests),
                            data={"placements": [{"node": r.node.name, "gpus": list(r.gpu_indices),

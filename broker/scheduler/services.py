@@ -19,6 +19,8 @@ from broker.inventory.models import Node
 from broker.jobs.models import Job
 from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_set_pending_reason, job_transition
 from broker.jobs.states import JobState
+from broker.provisioning.offers import OfferRef, cloud_offers
+from broker.provisioning.services import launch_request
 from broker.scheduler.models import CycleLease, CycleRecord
 from broker.scheduler.snapshot import tenant_snapshot
 from broker.tenancy.models import Tenant
@@ -38,6 +40,7 @@ class CycleOutcome:
     placed: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    launched: list[int] = field(default_factory=list)
     plan: sm.Plan | None = None
 
 
@@ -62,11 +65,12 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
     if cycle_number is None:
         return CycleOutcome(ran=False)
     try:
-        snapshot = tenant_snapshot(tenant=tenant, seed=cycle_number)
-        if not snapshot.pending:
+        if not Job.objects.filter(tenant=tenant, state=JobState.PENDING).exists():
             return CycleOutcome(ran=True)
+        offers, offer_index = cloud_offers(tenant=tenant)
+        snapshot = tenant_snapshot(tenant=tenant, seed=cycle_number, offers=offers)
         plan = schedule(snapshot, policy)
-        outcome = plan_commit(tenant=tenant, plan=plan)
+        outcome = plan_commit(tenant=tenant, plan=plan, offer_index=offer_index)
         CycleRecord.objects.create(
             tenant=tenant, pending_jobs=len(snapshot.pending), placed_jobs=len(outcome.placed),
             preempted_jobs=len(outcome.preempted), conflicts=len(outcome.conflicts), method=plan.solver.method,
@@ -78,7 +82,7 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
         _lease_release(tenant, holder)
 
 
-def plan_commit(*, tenant: Tenant, plan: sm.Plan) -> CycleOutcome:
+def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRef] | None = None) -> CycleOutcome:
     outcome = CycleOutcome(ran=True, plan=plan)
     jobs = {str(j.pk): j for j in Job.objects.filter(tenant=tenant, pk__in=_job_ids(plan))}
     nodes = {str(n.pk): n for n in Node.objects.filter(tenant=tenant)}
@@ -102,8 +106,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan) -> CycleOutcome:
     for placement in plan.placements:
         job = jobs.get(placement.job_id)
         if job is None or any(part.node_id is None for part in placement.parts):
-            # Launch placements need cloud provisioning, wired by the providers/workers issues.
-            continue
+            continue  # launch placements are committed with their launch below
         requests = [GpuRequest(node=nodes[part.node_id], gpu_indices=part.gpu_indices, milli=part.gpu_milli)
                     for part in placement.parts if part.node_id in nodes]
         if len(requests) != len(placement.parts):
@@ -114,6 +117,18 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan) -> CycleOutcome:
             outcome.placed.append(job.pk)
         except JobError as exc:
             outcome.conflicts.append(f"job {job.pk}: {exc}")
+
+    for launch in plan.launches:
+        ref = (offer_index or {}).get(launch.offer_id)
+        if ref is None:
+            outcome.conflicts.append(f"launch {launch.launch_id}: unknown offer {launch.offer_id}")
+            continue
+        try:
+            result = launch_request(launch=launch, ref=ref, plan=plan, jobs=jobs)
+            outcome.placed.extend(result.jobs)
+            outcome.launched.extend(i.pk for i in result.instances)
+        except JobError as exc:
+            outcome.conflicts.append(f"launch {launch.launch_id}: {exc}")
 
     for job_id, reason in plan.pending.items():
         job = jobs.get(job_id)

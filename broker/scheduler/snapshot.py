@@ -64,7 +64,8 @@ def _gpu_state(gpu: Gpu, slots_used: int) -> sm.GpuState:
     )
 
 
-def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = None) -> sm.Snapshot:
+def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = None,
+                    offers: tuple[sm.CloudOffer, ...] = ()) -> sm.Snapshot:
     now = now or timezone.now()
     slots_by_gpu: dict[int, int] = defaultdict(int)
     for gpu_id in AllocationSlice.objects.filter(active=True, gpu__node__tenant=tenant).values_list("gpu_id", flat=True):
@@ -123,7 +124,7 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
     pending = tuple(job_demand(j) for j in Job.objects.filter(tenant=tenant, state=JobState.PENDING)
                     .select_related("tenant").order_by("created_at", "id"))
     return sm.Snapshot(
-        now=now.timestamp(), nodes=tuple(nodes), pending=pending, running=tuple(running),
+        now=now.timestamp(), nodes=tuple(nodes), pending=pending, running=tuple(running), offers=offers,
         tenants=(tenant_budget(tenant=tenant, now=now),),
         gpu_models=tuple(sm.GpuModelInfo(m.name, float(m.compute_units), m.memory_gb * 1024)
                          for m in GpuModel.objects.all()),

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class ProvisioningConfig(AppConfig):
+    name = "broker.provisioning"
+    label = "provisioning"

@@ -1,0 +1,59 @@
+"""Build the `providers` object for a pool from its stored, credential-free configuration."""
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+from broker.inventory.models import Pool, PoolKind
+from providers.base import Provider
+from providers.registry import build_provider
+
+# Built providers are kept per process: the local provider tracks its child processes, and the
+# cloud ones hold HTTP connection pools.
+_cache: dict[tuple[int, str], Provider] = {}
+
+
+def _local_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
+    from providers.local.provider import CloudSimulation, LocalShape
+
+    out: dict[str, Any] = {"state_dir": str(settings.VAR_DIR / "local-provider" / f"pool-{pool.pk}"),
+                           "region": pool.region or "local"}
+    if "shapes" in config:
+        out["shapes"] = tuple(LocalShape(**{**s, "fabric": tuple(s.get("fabric", ()))}) for s in config["shapes"])
+    if "simulation" in config:
+        out["simulation"] = CloudSimulation(**config["simulation"])
+    if "zones" in config:
+        out["zones"] = tuple(config["zones"])
+    return out
+
+
+def _aws_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in config.items() if k in (
+        "image_ids", "subnet_ids", "security_group_ids", "iam_instance_profile", "key_name", "root_volume_gib",
+        "endpoint_url")}
+    out["regions"] = config.get("regions") or [pool.region]
+    if pool.credentials_ref:
+        import boto3
+
+        # The reference names an AWS profile; the secret itself never enters our database.
+        out["session"] = boto3.session.Session(profile_name=pool.credentials_ref)
+    return out
+
+
+def _gcp_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
+    return {**config, "regions": config.get("regions") or [pool.region]} if "regions" in config or pool.region \
+        else dict(config)
+
+
+def provider_for_pool(pool: Pool) -> Provider:
+    key = (pool.pk, repr(sorted(pool.provider_config.items())) + pool.credentials_ref)
+    if key in _cache:
+        return _cache[key]
+    config = dict(pool.provider_config or {})
+    builders = {PoolKind.LOCAL: _local_config, PoolKind.AWS: _aws_config, PoolKind.GCP: _gcp_config}
+    if pool.kind not in builders:
+        raise ValueError(f"pool {pool} ({pool.kind}) does not launch instances")
+    provider = build_provider(pool.kind, broker_id=settings.WHALEZEN_BROKER_ID, **builders[pool.kind](pool, config))
+    _cache[key] = provider
+    return provider

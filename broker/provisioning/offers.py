@@ -1,0 +1,82 @@
+"""Selector: the cloud offers a tenant can launch now, as `scheduling.CloudOffer`s.
+
+Offers come from each enabled cloud pool's provider (catalog prices), minus places blocked after a
+capacity or quota error; `launchable` is what the pool's instance quota still allows.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+from django.core.cache import cache
+from django.utils import timezone
+
+from broker.inventory.models import CloudInstance, InstanceState, OfferBlock, Pool, PoolKind
+from broker.inventory.services import gpu_model_resolve
+from broker.provisioning.factory import provider_for_pool
+from broker.tenancy.models import Tenant
+from providers.base import Offer, ProviderError
+from scheduling import model as sm
+
+log = logging.getLogger(__name__)
+CLOUD_KINDS = (PoolKind.AWS, PoolKind.GCP, PoolKind.LOCAL)
+LIVE_INSTANCE_STATES = (InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING)
+OFFER_CACHE_SECONDS = 300
+FAST_FABRICS = {"efa", "infiniband", "gpudirect-tcpx", "gpudirect-tcpxo", "roce"}
+
+
+@dataclass(frozen=True)
+class OfferRef:
+    pool: Pool
+    offer: Offer
+
+
+def _pool_offers(pool: Pool) -> list[Offer]:
+    """The provider's offers, cached a few minutes (the AWS one asks describe_instance_types)."""
+    key = f"wz:offers:{pool.pk}:{hashlib.sha1(repr(sorted(pool.provider_config.items())).encode()).hexdigest()}"
+    offers = cache.get(key)
+    if offers is None:
+        try:
+            offers = provider_for_pool(pool).list_offers()
+        except ProviderError as exc:
+            log.warning("offers of pool %s unavailable: %s", pool, exc)
+            return []
+        cache.set(key, offers, OFFER_CACHE_SECONDS)
+    return offers
+
+
+def offer_id(pool: Pool, offer: Offer) -> str:
+    return f"{pool.pk}:{offer.region}:{offer.zone}:{offer.instance_type}:{offer.gpu_model}:{offer.gpu_count}"
+
+
+def cloud_offers(*, tenant: Tenant) -> tuple[tuple[sm.CloudOffer, ...], dict[str, OfferRef]]:
+    now = timezone.now()
+    result: list[sm.CloudOffer] = []
+    index: dict[str, OfferRef] = {}
+    for pool in Pool.objects.filter(tenant=tenant, enabled=True, kind__in=CLOUD_KINDS, max_instances__gt=0):
+        live = CloudInstance.objects.filter(pool=pool, state__in=LIVE_INSTANCE_STATES).count()
+        launchable = max(0, pool.max_instances - live)
+        blocked = set(OfferBlock.objects.filter(pool=pool, until__gt=now)
+                      .values_list("region", "zone", "instance_type"))
+        for offer in _pool_offers(pool):
+            if not offer.available or offer.gpu_count <= 0:
+                continue
+            if (offer.region, offer.zone, offer.instance_type) in blocked or \
+                    (offer.region, "", offer.instance_type) in blocked:
+                continue
+            model = gpu_model_resolve(offer.gpu_model)
+            oid = offer_id(pool, offer)
+            index[oid] = OfferRef(pool=pool, offer=offer)
+            fabric = {f.lower() for f in offer.fabric}
+            result.append(sm.CloudOffer(
+                id=oid, provider=pool.kind, region=offer.region, zone=offer.zone,
+                instance_type=offer.instance_type, gpu_model=model.name if model else offer.gpu_model,
+                gpu_count=offer.gpu_count, gpu_memory_mb=offer.gpu_memory_mib,
+                ondemand_price_per_hour=offer.on_demand_per_hour, spot_price_per_hour=offer.spot_per_hour,
+                launchable=launchable, nvlink="nvlink" in fabric or "nvswitch" in fabric,
+                fast_fabric=bool(fabric & FAST_FABRICS), vcpus=int(offer.vcpus),
+                memory_mb=int(offer.memory_gib * 1024),
+            ))
+    result.sort(key=lambda o: o.id)
+    return tuple(result), index

@@ -1,0 +1,100 @@
+"""The broker's side of the reconciler: turn CloudInstance rows into `providers.reconcile` records per
+pool, and write back what it found (adoptions, confirmed terminations, instances lost under us)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from broker.inventory.models import CloudInstance, InstanceState, Pool
+from broker.jobs.models import Job
+from broker.jobs.services import JobError, job_transition
+from broker.jobs.states import ACTIVE_STATES, JobState
+from broker.provisioning.factory import provider_for_pool
+from broker.provisioning.offers import CLOUD_KINDS
+from providers.base import Provider
+from providers.reconcile import KnownInstance, ReconcileReport, reconcile
+
+log = logging.getLogger(__name__)
+POOL_TAG = "whalezen:pool"
+
+
+class PoolScopedProvider:
+    """Shows the reconciler only the instances launched for one pool (pools may share an account)."""
+
+    def __init__(self, provider: Provider, pool: Pool):
+        self._provider, self._pool_id = provider, str(pool.pk)
+
+    def list_owned(self):
+        return [i for i in self._provider.list_owned() if i.tag(POOL_TAG) == self._pool_id]
+
+    def __getattr__(self, name):
+        return getattr(self._provider, name)
+
+
+@dataclass
+class PoolReconcileSummary:
+    pool: str
+    adopted: int = 0
+    orphans_terminated: int = 0
+    confirmed_terminated: int = 0
+    lost: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _records(pool: Pool) -> list[KnownInstance]:
+    rows = CloudInstance.objects.filter(pool=pool).exclude(state__in=[InstanceState.TERMINATED])
+    return [KnownInstance(provider=pool.kind, request_key=r.request_key, provider_instance_id=r.provider_id,
+                          region=r.offer.get("region", pool.region), zone=r.zone, recorded_at=r.created_at,
+                          terminating=r.state == InstanceState.TERMINATING)
+            for r in rows if not (r.state == InstanceState.FAILED and not r.provider_id)]
+
+
+def pool_reconcile(*, pool: Pool) -> PoolReconcileSummary:
+    provider = PoolScopedProvider(provider_for_pool(pool), pool)
+    report: ReconcileReport = reconcile(
+        {pool.kind: provider}, _records(pool),
+        orphan_grace=timedelta(seconds=settings.WHALEZEN_ORPHAN_GRACE_SECONDS))
+    summary = PoolReconcileSummary(pool=str(pool), errors=list(report.errors))
+    for adoption in report.adopted:
+        CloudInstance.objects.filter(pool=pool, request_key=adoption.record.request_key, provider_id="").update(
+            provider_id=adoption.instance.ref.instance_id, zone=adoption.instance.ref.zone or adoption.record.zone,
+            state=InstanceState.RUNNING)
+        summary.adopted += 1
+    summary.orphans_terminated = len(report.orphans_terminating)
+    for gone in report.terminated_confirmed:
+        CloudInstance.objects.filter(pool=pool, request_key=gone.record.request_key).update(
+            state=InstanceState.TERMINATED, terminated_at=timezone.now())
+        summary.confirmed_terminated += 1
+    for gone in report.lost:
+        summary.lost += 1
+        _instance_lost(pool, gone.record.request_key, gone.instance.state_reason)
+    return summary
+
+
+def _instance_lost(pool: Pool, request_key: str, why: str) -> None:
+    """The provider took the instance away (spot reclaim, failure): its jobs go back to the queue."""
+    instance = CloudInstance.objects.filter(pool=pool, request_key=request_key).first()
+    if instance is None:
+        return
+    CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATED, terminated_at=timezone.now(),
+                                                        last_error=f"lost: {why or 'terminated by the provider'}")
+    job_ids = {p["job_id"] for p in instance.placements}
+    if instance.node_id:
+        job_ids |= set(Job.objects.filter(allocations__node_id=instance.node_id, allocations__active=True)
+                       .values_list("pk", flat=True))
+        instance.node.__class__.objects.filter(pk=instance.node_id).update(state="LOST")
+    for job in Job.objects.filter(pk__in=job_ids, state__in=ACTIVE_STATES):
+        try:
+            job_transition(job=job, to=JobState.PENDING, reason_code="INSTANCE_LOST",
+                           message=f"Instance {instance.node_name} was terminated by the provider "
+                                   f"({why or 'no reason given'}); re-queued.")
+        except JobError as exc:
+            log.info("job %s not re-queued: %s", job.pk, exc)
+
+
+def all_cloud_pools() -> list[Pool]:
+    return list(Pool.objects.filter(enabled=True, kind__in=CLOUD_KINDS))

@@ -1,0 +1,209 @@
+"""Cloud instances: request them for a plan's launches, provision them idempotently, fail over on
+capacity/quota errors, hand their GPUs to the waiting jobs when their agent registers, and retire them.
+
+Leak rules (DESIGN.md): the CloudInstance row and its idempotency key are committed BEFORE any cloud
+call; every resource is tagged at creation; an instance is only TERMINATED once the provider says so.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from broker.inventory.models import CloudInstance, InstanceState, Node, OfferBlock
+from broker.jobs.models import Job
+from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_transition
+from broker.jobs.states import ACTIVE_STATES, JobState
+from broker.provisioning.factory import provider_for_pool
+from broker.provisioning.offers import OfferRef
+from broker.tenancy import tokens
+from providers.base import InstanceRef, InstanceState as ProviderState, ProviderError, ProvisionRequest, \
+    derive_request_key
+from scheduling import model as sm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    instances: list[CloudInstance]
+    jobs: list[int]
+
+
+def instance_join_token(instance: CloudInstance) -> str:
+    """The one-time join token of an instance's agent. Derived, not stored, so a retried launch sends
+    byte-identical user-data (AWS refuses a reused ClientToken whose parameters changed)."""
+    mac = hmac.new(settings.SECRET_KEY.encode(), f"join:{instance.request_key}".encode(), hashlib.sha256)
+    return f"wzi_{instance.request_key[-8:].rjust(8, '0')}_{mac.hexdigest()}"
+
+
+def launch_request(*, launch: sm.Launch, ref: OfferRef, plan: sm.Plan, jobs: dict[str, Job]) -> LaunchResult:
+    """Record `launch.count` instances for a plan's launch and move its jobs to PROVISIONING (one transaction).
+
+    The provider is called afterwards, by `instance_provision`, outside this transaction.
+    """
+    pool, offer = ref.pool, ref.offer
+    price = offer.spot_per_hour if launch.spot and offer.spot_per_hour else offer.on_demand_per_hour
+    parts_by_instance: dict[int, list[dict]] = {}
+    for job_id in launch.job_ids:
+        placement = plan.placement_for(job_id)
+        for part in placement.parts if placement else ():
+            if part.launch_id == launch.launch_id:
+                parts_by_instance.setdefault(part.instance, []).append(
+                    {"job_id": int(job_id), "gpu_indices": list(part.gpu_indices), "milli": part.gpu_milli})
+    created: list[CloudInstance] = []
+    moved: list[int] = []
+    with transaction.atomic():
+        for i in range(launch.count):
+            allocation_id = f"launch-{uuid.uuid4().hex[:12]}"
+            key = derive_request_key(allocation_id=allocation_id, attempt=1, provider=pool.kind,
+                                     instance_type=offer.instance_type, zone=offer.zone)
+            instance = CloudInstance.objects.create(
+                tenant=pool.tenant, pool=pool, request_key=key, instance_type=offer.instance_type, zone=offer.zone,
+                spot=launch.spot, hourly_price_usd=Decimal(str(price)), node_name=f"{pool.name}-{key[-12:]}",
+                placements=parts_by_instance.get(i, []), tags={"allocation": allocation_id},
+                offer={"region": offer.region, "zone": offer.zone, "instance_type": offer.instance_type,
+                       "gpu_model": offer.gpu_model, "gpu_count": offer.gpu_count,
+                       "on_demand_per_hour": offer.on_demand_per_hour, "spot_per_hour": offer.spot_per_hour},
+            )
+            instance.join_token_hash = tokens.digest(instance_join_token(instance))
+            instance.save(update_fields=["join_token_hash"])
+            created.append(instance)
+            for part in instance.placements:
+                job = jobs[str(part["job_id"])]
+                if job.state == JobState.PENDING:
+                    job = job_transition(job=job, to=JobState.PLACED, reason_code="LAUNCH",
+                                         message=f"Launching {offer.instance_type} in {offer.zone or offer.region} "
+                                                 f"({'spot' if launch.spot else 'on-demand'}, ${price:.2f}/h).",
+                                         data={"instance": instance.pk, "offer": instance.offer})
+                if job.state == JobState.PLACED:
+                    jobs[str(part["job_id"])] = job_transition(
+                        job=job, to=JobState.PROVISIONING, reason_code="PROVISIONING",
+                        message=f"Waiting for instance {instance.node_name}.", data={"instance": instance.pk})
+                    moved.append(job.pk)
+        ids = [i.pk for i in created]
+        transaction.on_commit(lambda: _enqueue_provision(ids))
+    return LaunchResult(instances=created, jobs=moved)
+
+
+def _enqueue_provision(instance_ids: list[int]) -> None:
+    from broker.provisioning.tasks import provision_instance
+
+    for instance_id in instance_ids:
+        provision_instance.delay(instance_id)
+
+
+def instance_provision(*, instance: CloudInstance) -> CloudInstance:
+    """Ask the provider for the instance. Safe to call again: the same request key never makes a second one."""
+    if instance.state not in (InstanceState.REQUESTED, InstanceState.PENDING):
+        return instance
+    provider = provider_for_pool(instance.pool)
+    offer = instance.offer
+    request = ProvisionRequest(
+        request_key=instance.request_key, allocation_id=instance.tags.get("allocation", str(instance.pk)),
+        attempt=instance.attempt, region=offer.get("region", instance.pool.region), zone=instance.zone,
+        instance_type=instance.instance_type, agent_server_url=settings.WHALEZEN_PUBLIC_URL,
+        agent_join_token=instance_join_token(instance), node_name=instance.node_name, spot=instance.spot,
+        gpu_model=offer.get("gpu_model", ""), gpu_count=int(offer.get("gpu_count", 0)),
+        extra_tags=(("whalezen:tenant", instance.tenant.slug), ("whalezen:pool", str(instance.pool.pk))),
+    )
+    try:
+        info = provider.provision(request)
+    except ProviderError as exc:
+        if exc.kind.value == "transient":
+            CloudInstance.objects.filter(pk=instance.pk).update(last_error=str(exc))
+            raise  # the task retries with the same key
+        return instance_failed(instance=instance, error=exc)
+    CloudInstance.objects.filter(pk=instance.pk, state__in=[InstanceState.REQUESTED, InstanceState.PENDING]).update(
+        provider_id=info.ref.instance_id, zone=info.ref.zone or instance.zone,
+        state=InstanceState.RUNNING if info.state == ProviderState.RUNNING else InstanceState.PENDING, last_error="")
+    instance.refresh_from_db()
+    return instance
+
+
+def instance_failed(*, instance: CloudInstance, error: ProviderError) -> CloudInstance:
+    """The launch failed for good: block the place when moving helps, and send the jobs back to the queue."""
+    now = timezone.now()
+    with transaction.atomic():
+        if error.retry_elsewhere:
+            OfferBlock.objects.create(
+                pool=instance.pool, region=instance.offer.get("region", ""), zone=instance.zone,
+                instance_type=instance.instance_type, reason=str(error),
+                until=now + timedelta(seconds=settings.WHALEZEN_OFFER_BLOCK_SECONDS))
+        CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.FAILED, last_error=str(error),
+                                                            terminated_at=now)
+        for job in Job.objects.filter(pk__in=[p["job_id"] for p in instance.placements],
+                                      state=JobState.PROVISIONING):
+            try:
+                job_transition(job=job, to=JobState.PENDING, reason_code="LAUNCH_FAILED",
+                               message=f"Launching {instance.instance_type} in {instance.zone} failed ({error.kind.value}"
+                                       f"{': ' + error.code if error.code else ''}); "
+                                       + ("trying another place." if error.retry_elsewhere else "re-queued."),
+                               data={"instance": instance.pk, "error": error.kind.value, "code": error.code})
+            except JobError:
+                pass  # cancelled meanwhile
+    instance.refresh_from_db()
+    return instance
+
+
+def instance_node_registered(*, node: Node) -> list[int]:
+    """A cloud instance's agent registered `node`: give the waiting jobs their GPUs and start them."""
+    instance = CloudInstance.objects.filter(pool=node.pool, node_name=node.name).first()
+    if instance is None:
+        return []
+    CloudInstance.objects.filter(pk=instance.pk).update(node=node, state=InstanceState.RUNNING)
+    started = []
+    for part in instance.placements:
+        job = Job.objects.filter(pk=part["job_id"], state=JobState.PROVISIONING).first()
+        if job is None:
+            continue
+        try:
+            allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=tuple(part["gpu_indices"]),
+                                                            milli=part["milli"])],
+                              expected_state=JobState.PROVISIONING, to_state=JobState.STARTING)
+            started.append(job.pk)
+        except JobError as exc:
+            job_transition(job=job, to=JobState.PENDING, reason_code="LAUNCH_FAILED",
+                           message=f"Instance {node.name} came up but could not take the job: {exc}")
+    return started
+
+
+def instance_terminate(*, instance: CloudInstance, reason: str) -> CloudInstance:
+    """Ask the provider to terminate; the row says TERMINATED only when the provider confirms."""
+    if instance.state in (InstanceState.TERMINATED, InstanceState.FAILED) and not instance.provider_id:
+        return instance
+    CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATING, last_error=reason)
+    if not instance.provider_id:
+        return instance
+    provider = provider_for_pool(instance.pool)
+    info = provider.terminate(InstanceRef(provider=instance.pool.kind, region=instance.offer.get("region", ""),
+                                          zone=instance.zone, instance_id=instance.provider_id))
+    if info.state == ProviderState.TERMINATED:
+        CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATED,
+                                                            terminated_at=timezone.now())
+        if instance.node_id:
+            Node.objects.filter(pk=instance.node_id).update(state="OFFLINE")
+    instance.refresh_from_db()
+    return instance
+
+
+def idle_instances(*, idle_seconds: int) -> list[CloudInstance]:
+    """Running instances whose node has held no job for `idle_seconds` and that nobody waits for."""
+    cutoff = timezone.now() - timedelta(seconds=idle_seconds)
+    idle = []
+    for instance in CloudInstance.objects.filter(state=InstanceState.RUNNING, created_at__lt=cutoff).select_related("node"):
+        waiting = Job.objects.filter(pk__in=[p["job_id"] for p in instance.placements],
+                                     state=JobState.PROVISIONING).exists()
+        busy = instance.node_id and instance.node.allocations.filter(active=True, job__state__in=ACTIVE_STATES).exists()
+        recently = instance.node_id and instance.node.allocations.filter(released_at__gt=cutoff).exists()
+        if not waiting and not busy and not recently:
+            idle.append(instance)
+    return idle

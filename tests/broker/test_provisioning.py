@@ -1,0 +1,147 @@
+"""Cloud bursting through the broker: plan a launch, provision it on (moto) EC2, fail over on capacity
+errors, hand the GPUs to the job when the node registers, requeue when the provider takes it away."""
+from __future__ import annotations
+
+from decimal import Decimal
+
+import boto3
+import pytest
+
+from broker.inventory.models import CloudInstance, Gpu, InstanceState, Node, OfferBlock, Pool, PoolKind
+from broker.jobs.models import Job
+from broker.jobs.states import JobState
+from broker.provisioning import services as provisioning
+from broker.provisioning.reconcile import pool_reconcile
+from broker.scheduler.services import scheduling_cycle_run
+from providers.base import ErrorKind, ProviderError
+from tests.providers.conftest import moto_ami, moto_endpoint  # noqa: F401  (fixtures)
+
+from .test_api_tenancy import submit
+
+
+@pytest.fixture
+def aws_pool(acme, moto_endpoint, moto_ami, settings):  # noqa: F811
+    settings.WHALEZEN_BROKER_ID = f"wz-broker-test-{acme.tenant.pk}-{id(settings)}"
+    for node in acme.nodes:  # no on-prem capacity: the job must burst
+        node.state = "OFFLINE"
+        node.save()
+    return Pool.objects.create(
+        tenant=acme.tenant, name="aws-use1", kind=PoolKind.AWS, region="us-east-1", max_instances=4,
+        provider_config={"endpoint_url": moto_endpoint, "regions": ["us-east-1"],
+                         "image_ids": {"us-east-1": moto_ami}})
+
+
+def ec2(endpoint):
+    return boto3.client("ec2", region_name="us-east-1", endpoint_url=endpoint)
+
+
+def running_ours(endpoint, broker_id):
+    found = ec2(endpoint).describe_instances(Filters=[
+        {"Name": "tag:whalezen:broker", "Values": [broker_id]},
+        {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    return [i for r in found["Reservations"] for i in r["Instances"]]
+
+
+def register_node_for(instance: CloudInstance) -> Node:
+    """What the agent on the new VM does when it boots: register under the instance's node name."""
+    node = Node.objects.create(tenant=instance.tenant, pool=instance.pool, name=instance.node_name,
+                               cpu_milli=8000, memory_mb=32768)
+    for i in range(int(instance.offer["gpu_count"])):
+        Gpu.objects.create(node=node, index=i, model_name=instance.offer["gpu_model"], memory_mb=16384,
+                           uuid=f"GPU-{instance.pk}-{i}")
+    return node
+
+
+def test_job_bursts_to_aws_and_starts_when_the_node_registers(acme, aws_pool, moto_endpoint, settings):  # noqa: F811
+    job = submit(acme, resources={"gpus": 1}, placement={"providers": ["aws"]}, expected_duration_hours=2)
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert outcome.launched, outcome.conflicts
+    job.refresh_from_db()
+    assert job.state == JobState.PROVISIONING
+    instance = CloudInstance.objects.get(pk=outcome.launched[0])
+    assert instance.state == InstanceState.REQUESTED and instance.request_key  # recorded before the call
+    assert instance.hourly_price_usd > Decimal("0")
+
+    instance = provisioning.instance_provision(instance=instance)
+    assert instance.state in (InstanceState.PENDING, InstanceState.RUNNING) and instance.provider_id
+    ours = running_ours(moto_endpoint, settings.WHALEZEN_BROKER_ID)
+    assert [i["InstanceId"] for i in ours] == [instance.provider_id]
+    tags = {t["Key"]: t["Value"] for t in ours[0]["Tags"]}
+    assert tags["whalezen:request"] == instance.request_key and tags["whalezen:node"] == instance.node_name
+    # A retry (lost task ack, worker killed after the call) creates nothing new.
+    CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.REQUESTED)
+    instance.refresh_from_db()
+    provisioning.instance_provision(instance=instance)
+    assert len(running_ours(moto_endpoint, settings.WHALEZEN_BROKER_ID)) == 1
+
+    started = provisioning.instance_node_registered(node=register_node_for(instance))
+    job.refresh_from_db()
+    assert started == [job.pk] and job.state == JobState.STARTING
+    assert job.allocations.get(active=True).node.name == instance.node_name
+
+
+def test_capacity_error_blocks_the_place_and_the_next_cycle_fails_over(acme, aws_pool, monkeypatch):
+    job = submit(acme, resources={"gpus": 1}, placement={"providers": ["aws"]})
+    first = CloudInstance.objects.get(pk=scheduling_cycle_run(tenant=acme.tenant).launched[0])
+
+    def no_capacity(self, request):
+        raise ProviderError(ErrorKind.CAPACITY, "We currently do not have sufficient capacity",
+                            provider="aws", code="InsufficientInstanceCapacity")
+
+    from providers.aws.provider import AwsProvider
+
+    monkeypatch.setattr(AwsProvider, "provision", no_capacity)
+    provisioning.instance_provision(instance=first)
+    first.refresh_from_db()
+    job.refresh_from_db()
+    assert first.state == InstanceState.FAILED and "InsufficientInstanceCapacity" in first.last_error
+    assert job.state == JobState.PENDING
+    assert OfferBlock.objects.filter(pool=aws_pool, instance_type=first.instance_type, zone=first.zone).exists()
+    assert "trying another place" in job.events.last().message
+
+    second = CloudInstance.objects.get(pk=scheduling_cycle_run(tenant=acme.tenant).launched[0])
+    assert (second.zone, second.instance_type) != (first.zone, first.instance_type)
+    assert second.request_key != first.request_key
+
+
+def test_a_permanent_error_does_not_block_other_places_but_requeues(acme, aws_pool, monkeypatch):
+    job = submit(acme, resources={"gpus": 1}, placement={"providers": ["aws"]})
+    instance = CloudInstance.objects.get(pk=scheduling_cycle_run(tenant=acme.tenant).launched[0])
+    from providers.aws.provider import AwsProvider
+
+    monkeypatch.setattr(AwsProvider, "provision", lambda self, r: (_ for _ in ()).throw(
+        ProviderError(ErrorKind.AUTH, "credentials rejected", provider="aws", code="AuthFailure")))
+    provisioning.instance_provision(instance=instance)
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING and not OfferBlock.objects.exists()
+
+
+def test_instance_taken_away_by_the_provider_requeues_its_job(acme, aws_pool, moto_endpoint, settings):  # noqa: F811
+    job = submit(acme, resources={"gpus": 1}, placement={"providers": ["aws"]})
+    instance = CloudInstance.objects.get(pk=scheduling_cycle_run(tenant=acme.tenant).launched[0])
+    instance = provisioning.instance_provision(instance=instance)
+    provisioning.instance_node_registered(node=register_node_for(instance))
+    ec2(moto_endpoint).terminate_instances(InstanceIds=[instance.provider_id])  # e.g. a spot reclaim
+    summary = pool_reconcile(pool=aws_pool)
+    assert summary.lost == 1, summary
+    job.refresh_from_db()
+    instance.refresh_from_db()
+    assert job.state == JobState.PENDING and job.pending_reason_code == "INSTANCE_LOST"
+    assert job.events.filter(reason_code="INSTANCE_LOST").exists()
+    assert instance.state == InstanceState.TERMINATED
+    assert Node.objects.get(name=instance.node_name).state == "LOST"
+
+
+def test_idle_instance_is_terminated_only_when_the_provider_confirms(acme, aws_pool, moto_endpoint, settings):  # noqa: F811
+    job = submit(acme, resources={"gpus": 1}, placement={"providers": ["aws"]})
+    instance = CloudInstance.objects.get(pk=scheduling_cycle_run(tenant=acme.tenant).launched[0])
+    instance = provisioning.instance_provision(instance=instance)
+    assert provisioning.idle_instances(idle_seconds=0) == [], "a job still waits for it"
+    Job.objects.filter(pk=job.pk).update(state=JobState.CANCELLED)
+    CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.RUNNING)
+    idle = provisioning.idle_instances(idle_seconds=0)
+    assert [i.pk for i in idle] == [instance.pk]
+    provisioning.instance_terminate(instance=idle[0], reason="idle")
+    instance.refresh_from_db()
+    assert instance.state in (InstanceState.TERMINATING, InstanceState.TERMINATED)
+    assert running_ours(moto_endpoint, settings.WHALEZEN_BROKER_ID) == []
