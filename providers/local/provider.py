@@ -162,7 +162,7 @@ class LocalProvider(Provider):
 
     def _save(self, record: _Record) -> None:
         path = self._path(record.instance_id)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # unique per writer
         tmp.write_text(json.dumps(record.__dict__, sort_keys=True))
         os.replace(tmp, path)  # atomic: a crash never leaves half a record
 
