@@ -22,7 +22,7 @@ seed: migrate
 	$(PY) manage.py seed_demo
 
 run: seed
-	$(PY) manage.py runserver $(HOST):$(PORT) --noreload
+	$(PY) manage.py serve --host $(HOST) --port $(PORT)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -50,6 +50,7 @@ INSTALLED_APPS = [
     "broker.jobs",
     "broker.scheduler",
     "broker.provisioning",
+    "broker.ops",
 ]
 
 MIDDLEWARE = [
@@ -187,13 +188,14 @@ if REDIS_URL:
     CELERY_BROKER_TRANSPORT_OPTIONS: dict = {"visibility_timeout": 3600}
 else:
     _queue_dir = VAR_DIR / "queue"
-    for _sub in ("in", "processed"):
+    for _sub in ("in", "processed", "control"):
         (_queue_dir / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_queue_dir / "in"),
         "data_folder_out": str(_queue_dir / "in"),
         "processed_folder": str(_queue_dir / "processed"),
+        "control_folder": str(_queue_dir / "control"),
         "store_processed": False,
     }
 CELERY_TASK_ACKS_LATE = True

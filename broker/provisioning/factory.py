@@ -1,6 +1,7 @@
 """Build the `providers` object for a pool from its stored, credential-free configuration."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from django.conf import settings
@@ -15,10 +16,12 @@ _cache: dict[tuple[int, str], Provider] = {}
 
 
 def _local_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
-    from providers.local.provider import CloudSimulation, LocalShape
+    from providers.local.provider import CloudSimulation, LocalShape, agent_command
 
-    out: dict[str, Any] = {"state_dir": str(settings.VAR_DIR / "local-provider" / f"pool-{pool.pk}"),
-                           "region": pool.region or "local"}
+    state_dir = settings.VAR_DIR / "local-provider" / f"pool-{pool.pk}"
+    out: dict[str, Any] = {"state_dir": str(state_dir), "region": pool.region or "local",
+                           # each simulated VM's agent keeps its identity in a directory of its own
+                           "command_factory": agent_command(sys.executable, state_root=state_dir / "agents")}
     if "shapes" in config:
         out["shapes"] = tuple(LocalShape(**{**s, "fabric": tuple(s.get("fabric", ()))}) for s in config["shapes"])
     if "simulation" in config:

@@ -26,6 +26,24 @@ DEMO_TENANTS = {
 }
 
 
+# A simulated cloud per tenant (the `local` provider starts agents with fake GPUs as "instances").
+# Prices mirror AWS us-east-1 list prices of the matching instance types (p4de.24xlarge,
+# g4dn.12xlarge, g6.xlarge) so the scheduler's cost trade-offs look like the real ones.
+SIM_CLOUD_CONFIG = {
+    "shapes": [
+        {"instance_type": "sim.8xA100-80GB", "fake_gpus": "8xA100-80GB-SXM", "gpu_model": "A100-80GB",
+         "gpu_count": 8, "gpu_memory_mib": 81920, "vcpus": 96, "memory_gib": 1152,
+         "price_per_hour": 27.44705, "spot_price_per_hour": 9.9734, "fabric": ["nvlink", "efa"]},
+        {"instance_type": "sim.4xT4", "fake_gpus": "4xT4", "gpu_model": "T4", "gpu_count": 4,
+         "gpu_memory_mib": 16384, "vcpus": 48, "memory_gib": 192, "price_per_hour": 3.912,
+         "spot_price_per_hour": 1.2875},
+        {"instance_type": "sim.1xL4", "fake_gpus": "1xL4", "gpu_model": "L4", "gpu_count": 1,
+         "gpu_memory_mib": 22888, "vcpus": 4, "memory_gib": 16, "price_per_hour": 0.8048},
+    ],
+    "simulation": {"launch_latency_s": 3.0},
+}
+
+
 def seed_gpu_models() -> dict[str, GpuModel]:
     models = {}
     for name, memory_gb, tflops, nvlink, aliases in DEFAULT_GPU_MODELS:
@@ -61,6 +79,10 @@ class Command(BaseCommand):
                 pool, _ = Pool.objects.get_or_create(
                     tenant=tenant, name="onprem", defaults={"kind": PoolKind.ONPREM, "region": "dc1",
                                                             "gpu_hour_rate_usd": Decimal("1.10")})
+                Pool.objects.get_or_create(
+                    tenant=tenant, name="cloud-sim",
+                    defaults={"kind": PoolKind.LOCAL, "region": "sim-east-1", "max_instances": 2,
+                              "provider_config": SIM_CLOUD_CONFIG})
                 for prefix, count, model_name, gpus, island in node_groups:
                     for i in range(count):
                         node_create_simulated(pool=pool, name=f"{prefix}-{i}", gpu_model=models[model_name],

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class AgentsConfig(AppConfig):
+    name = "broker.agents"
+    label = "agents"
+    verbose_name = "Node agents"
