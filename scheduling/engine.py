@@ -77,11 +77,12 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
 def place(problem: Problem, original: list[NodeCapacity], started: float) -> tuple[Book, SolverInfo]:
     """Run the policy's method; return the filled book and what was used.
 
-    "auto"/"milp": the aggregated MILP (LP bound, then pattern counts near the LP values, then the
-    full model if time is left) mapped to nodes and repaired greedily, and the greedy answer too;
-    both are scored by `objective.evaluate` and the better one is kept. The MILP sees the whole
-    queue at once (money, quotas, budgets, offer quotas); greedy best-fit packs nodes tightly.
-    Neither dominates, so keeping the better of the two is never worse than either.
+    "auto": the aggregated MILP (LP bound, then pattern counts near the LP values, then the full
+    model if time is left) mapped to nodes and repaired greedily, and the greedy answer too; both
+    are scored by `objective.evaluate` and the better one is kept. The MILP sees the whole queue
+    at once (money, quotas, budgets, offer quotas); greedy best-fit packs nodes tightly. Neither
+    dominates, so keeping the better is never worse than either. "milp": the MILP's answer
+    whenever it has one. "greedy": greedy alone. "exact": the per-node model.
     """
     policy = problem.policy
     all_jobs = [job.job_id for job in problem.snapshot.pending]
@@ -89,39 +90,47 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
         from scheduling.exact import solve_exact
         return solve_exact(problem, original, policy.time_limit_s)
 
-    greedy_started = time.perf_counter()
-    greedy_book = Book(problem)
-    place_greedily(problem, greedy_book, all_jobs)
-    greedy_objective = evaluate(problem, greedy_book, original)
-    greedy_seconds = time.perf_counter() - greedy_started
-    if policy.method == "greedy" or not problem.classes:
-        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, "", "greedy by policy")
+    def run_greedy() -> tuple[Book, float]:
+        book = Book(problem)
+        place_greedily(problem, book, all_jobs)
+        return book, evaluate(problem, book, original)
+
+    greedy: tuple[Book, float] | None = None
+    reserve = 0.0
+    if policy.method != "milp" or not problem.classes:
+        greedy_started = time.perf_counter()
+        greedy = run_greedy()
+        reserve = time.perf_counter() - greedy_started  # mapping and scoring the MILP take about as long
+        if policy.method == "greedy" or not problem.classes:
+            return greedy[0], SolverInfo("greedy", False, 0.0, greedy[1], "", "greedy by policy")
 
     from scheduling.mapping import map_solution
     from scheduling.milp import build_and_solve
 
-    # Leave room for mapping and scoring the MILP's answer (about as long as the greedy pass).
-    remaining = policy.time_limit_s - (time.perf_counter() - started) - greedy_seconds
+    remaining = policy.time_limit_s - (time.perf_counter() - started) - reserve
     if remaining <= 0.02:
-        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, "", "no time left for the MILP",
-                                       0, "time limit reached before the MILP could start; greedy used")
+        greedy = greedy or run_greedy()
+        return greedy[0], SolverInfo("greedy", False, 0.0, greedy[1], "", "time limit",
+                                     0, "time limit reached before the MILP could start; greedy used")
     solution = build_and_solve(problem, remaining)
     result = solution.result
     if not result.has_solution:
-        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, result.solver, result.status,
-                                       solution.variables, "MILP gave no answer in time; greedy used")
+        greedy = greedy or run_greedy()
+        return greedy[0], SolverInfo("greedy", False, 0.0, greedy[1], result.solver, result.status,
+                                     solution.variables, "MILP gave no answer in time; greedy used")
     book = Book(problem)
-    unmapped = map_solution(problem, book, solution)
+    map_solution(problem, book, solution)
     # Repair: what mapping could not hold, and what the MILP left in slack only because phase two
     # confined the pattern counts, goes through greedy on the capacity that is left.
-    unmapped = [job_id for job_id in all_jobs if job_id not in book.placements]
-    still = place_greedily(problem, book, unmapped) if unmapped else []
+    leftover = [job_id for job_id in all_jobs if job_id not in book.placements]
+    still = place_greedily(problem, book, leftover) if leftover else []
     objective = evaluate(problem, book, original)
-    note = (f"{len(unmapped)} jobs left by the MILP or mapping went to greedy repair "
-            f"({len(unmapped) - len(still)} placed); "
-            if unmapped else "") + f"MILP {objective:.2f} vs greedy {greedy_objective:.2f}"
-    if greedy_objective < objective - 1e-9:
-        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, result.solver, result.status,
-                                       solution.variables, note + "; greedy kept")
-    return book, SolverInfo("milp", result.proven_optimal and not still, 0.0, objective, result.solver,
+    note = (f"{len(leftover)} jobs left by the MILP or mapping went to greedy repair "
+            f"({len(leftover) - len(still)} placed)" if leftover else "")
+    if greedy is not None:
+        note += f"{'; ' if note else ''}MILP {objective:.2f} vs greedy {greedy[1]:.2f}"
+        if greedy[1] < objective - 1e-9:
+            return greedy[0], SolverInfo("greedy", False, 0.0, greedy[1], result.solver, result.status,
+                                         solution.variables, note + "; greedy kept")
+    return book, SolverInfo("milp", result.proven_optimal and not leftover, 0.0, objective, result.solver,
                             result.status, solution.variables, note)

@@ -396,7 +396,8 @@ class Policy:
     filters: tuple[str, ...] = DEFAULT_FILTERS
     # Score term name -> weight (multiplies the matching PolicyWeights term).
     scores: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_SCORES))
-    # "auto": aggregated MILP, greedy when the solver fails or times out; "milp": same;
+    # "auto": aggregated MILP and greedy, the better answer under one objective is kept (greedy
+    # alone when the MILP has no answer in time); "milp": the MILP's answer whenever it has one;
     # "exact": per-node MILP (small instances only, for measuring the optimality gap);
     # "greedy": the heuristic alone.
     method: Literal["auto", "milp", "exact", "greedy"] = "auto"

@@ -1,0 +1,151 @@
+"""Independent checks of a plan against its snapshot: what must hold whatever method produced it.
+
+Written separately from the engine (it re-derives everything from the snapshot and the plan) so
+tests, the simulator and the broker can assert a plan is safe before acting on it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from scheduling.model import WHOLE_GPU_MILLI, Plan, Snapshot
+from scheduling.targets import Pricing, offer_price
+
+
+def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
+    problems: list[str] = []
+    nodes = {node.id: node for node in snapshot.nodes}
+    offers = {offer.id: offer for offer in snapshot.offers}
+    jobs = {job.job_id: job for job in snapshot.pending}
+    launches = {launch.launch_id: launch for launch in plan.launches}
+    pricing = Pricing(snapshot)
+    used: dict[tuple[str, int, int], int] = defaultdict(int)  # (node or launch, instance, GPU) -> milli
+    whole_taken: set[tuple[str, int, int]] = set()
+    cpu: dict[tuple[str, int], int] = defaultdict(int)
+    mem: dict[tuple[str, int], int] = defaultdict(int)
+    tenant_gpus: dict[str, float] = defaultdict(float)
+    tenant_cus: dict[str, float] = defaultdict(float)
+    tenant_money: dict[str, float] = defaultdict(float)
+
+    placed = {p.job_id for p in plan.placements}
+    for job_id in jobs:
+        if job_id not in placed and job_id not in plan.pending:
+            problems.append(f"{job_id}: neither placed nor given a pending reason")
+        if job_id in placed and job_id in plan.pending:
+            problems.append(f"{job_id}: both placed and pending")
+    for job_id, reason in plan.pending.items():
+        if not reason.message or not reason.message.startswith(reason.code.value):
+            problems.append(f"{job_id}: reason message does not start with its code")
+
+    for placement in plan.placements:
+        job = jobs.get(placement.job_id)
+        if job is None:
+            problems.append(f"{placement.job_id}: placed but not pending")
+            continue
+        parts = placement.parts
+        if len(parts) != max(1, job.nodes):
+            problems.append(f"{job.job_id}: gang split: {len(parts)} parts for {job.nodes} nodes")
+        homes = {(part.node_id or part.launch_id, part.instance) for part in parts}
+        if len(homes) != len(parts):
+            problems.append(f"{job.job_id}: two parts of one gang on the same node")
+        if len({part.node_id is None for part in parts}) > 1 or len({part.launch_id for part in parts}) > 1:
+            problems.append(f"{job.job_id}: gang spread over owned nodes and launches")
+        if len(parts) > 1 and not all(_fast_fabric(part, nodes, offers, launches) for part in parts):
+            problems.append(f"{job.job_id}: multi-node gang without a fast fabric")
+        model = placement.gpu_model
+        count = pricing.gpu_count(job, model)
+        for part in parts:
+            home = part.node_id or part.launch_id or "?"
+            gpus = _gpus_of(part, nodes, offers, launches)
+            if gpus is None:
+                problems.append(f"{job.job_id}: unknown node or launch {home}")
+                continue
+            if len(part.gpu_indices) != count // max(1, job.nodes):
+                problems.append(f"{job.job_id}: {len(part.gpu_indices)} GPUs on {home}, wants {count // max(1, job.nodes)}")
+            if len(set(part.gpu_indices)) != len(part.gpu_indices):
+                problems.append(f"{job.job_id}: a GPU listed twice on {home}")
+            islands = set()
+            for index in part.gpu_indices:
+                gpu = gpus.get(index)
+                if gpu is None:
+                    problems.append(f"{job.job_id}: no GPU {index} on {home}")
+                    continue
+                key = (home, part.instance, index)
+                used[key] += part.gpu_milli
+                if part.gpu_milli >= WHOLE_GPU_MILLI:
+                    whole_taken.add(key)
+                if used[key] + gpu[1] > WHOLE_GPU_MILLI:
+                    problems.append(f"{job.job_id}: GPU {index} on {home} over-allocated")
+                if job.allowed_models and gpu[0] not in job.allowed_models:
+                    problems.append(f"{job.job_id}: GPU model {gpu[0]} not allowed")
+                if not gpu[2]:
+                    problems.append(f"{job.job_id}: GPU {index} on {home} is unhealthy")
+                islands.add(gpu[3])
+            if job.interconnect == "nvlink" and len(part.gpu_indices) > 1 and (len(islands) != 1 or None in islands):
+                problems.append(f"{job.job_id}: NVLink gang not on one island of {home}")
+            cpu[home, part.instance] += job.cpu_milli
+            mem[home, part.instance] += job.memory_mb
+        target_price = placement.price_per_hour
+        tenant_gpus[job.tenant] += pricing.gpu_share(job, model)
+        tenant_cus[job.tenant] += pricing.compute_units(job, model)
+        tenant_money[job.tenant] += target_price * pricing.runtime_hours(job, model)
+        if job.max_price_per_hour is not None and target_price > job.max_price_per_hour + 1e-6:
+            problems.append(f"{job.job_id}: ${target_price:.2f}/h above its ceiling")
+        if job.spot == "never" and placement.spot or job.spot == "required" and parts[0].launch_id and not placement.spot:
+            problems.append(f"{job.job_id}: spot policy {job.spot} broken")
+
+    for (home, instance), total in cpu.items():
+        limit = _host_limit(home, nodes, launches, offers)
+        if limit is not None and (total > limit[0] or mem[home, instance] > limit[1]):
+            problems.append(f"{home}#{instance}: CPU or memory over-allocated")
+    for budget in snapshot.tenants:
+        t = budget.tenant
+        if budget.gpu_quota is not None and budget.gpus_in_use + tenant_gpus[t] > budget.gpu_quota + 1e-6:
+            problems.append(f"tenant {t}: GPU quota exceeded")
+        if budget.cu_quota is not None and budget.cu_in_use + tenant_cus[t] > budget.cu_quota + 1e-6:
+            problems.append(f"tenant {t}: CU quota exceeded")
+        if budget.remaining_budget is not None and tenant_money[t] > budget.remaining_budget + 1e-6:
+            problems.append(f"tenant {t}: budget exceeded")
+    per_offer: dict[str, int] = defaultdict(int)
+    for launch in plan.launches:
+        per_offer[launch.offer_id] += launch.count
+        offer = offers.get(launch.offer_id)
+        if offer is not None and abs(launch.price_per_hour - offer_price(offer, launch.spot)) > 1e-6:
+            problems.append(f"{launch.launch_id}: price does not match the offer")
+    for offer_id, count in per_offer.items():
+        offer = offers.get(offer_id)
+        if offer is None or count > offer.launchable:
+            problems.append(f"offer {offer_id}: {count} launches above its launchable count")
+    return problems
+
+
+def _gpus_of(part, nodes, offers, launches) -> dict[int, tuple[str, int, bool, object]] | None:
+    """GPU index -> (model, milli already used, healthy, island) where the part landed."""
+    if part.node_id is not None:
+        node = nodes.get(part.node_id)
+        if node is None:
+            return None
+        return {g.index: (g.model, g.milli_used if g.healthy else WHOLE_GPU_MILLI, g.healthy, g.nvlink_island)
+                for g in node.gpus}
+    launch = launches.get(part.launch_id)
+    offer = offers.get(launch.offer_id) if launch is not None else None
+    if offer is None or part.instance >= launch.count:
+        return None
+    return {i: (offer.gpu_model, 0, True, 0 if offer.nvlink else None) for i in range(offer.gpu_count)}
+
+
+def _fast_fabric(part, nodes, offers, launches) -> bool:
+    if part.node_id is not None:
+        node = nodes.get(part.node_id)
+        return bool(node and node.fast_fabric)
+    launch = launches.get(part.launch_id)
+    offer = offers.get(launch.offer_id) if launch is not None else None
+    return bool(offer and offer.fast_fabric)
+
+
+def _host_limit(home, nodes, launches, offers) -> tuple[int, int] | None:
+    if home in nodes:
+        return nodes[home].free_cpu_milli, nodes[home].free_memory_mb
+    launch = launches.get(home)
+    offer = offers.get(launch.offer_id) if launch is not None else None
+    return None if offer is None else (offer.vcpus * 1000, offer.memory_mb)
