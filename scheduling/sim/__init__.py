@@ -1,0 +1,1 @@
+"""Trace-driven simulation: array cluster, placement protocol, baseline and WhaleZen policies."""
