@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "broker.inventory",
     "broker.jobs",
     "broker.scheduler",
+    "broker.agents",
     "broker.provisioning",
     "broker.ops",
 ]

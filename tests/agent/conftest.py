@@ -3,20 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.agent.clock import FakeClock
 from tests.agent.fake_broker import FakeBroker
-
-
-class FakeClock:
-    """Monotonic clock the test moves by hand, so schedules are checked without real waiting."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

@@ -1,0 +1,82 @@
+"""Reads for the agent protocol: which node a token belongs to, what the node should run."""
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from django.db import transaction
+
+from broker.inventory.models import Node
+from broker.jobs.models import Allocation, AllocationSlice, JobEvent
+from broker.jobs.states import JobState
+from broker.tenancy import tokens
+
+# What the agent should do for an active allocation, by the state of its job.
+_ACTION_BY_JOB_STATE = {
+    JobState.PLACED: "start",
+    JobState.PROVISIONING: "start",
+    JobState.STARTING: "start",
+    JobState.RUNNING: "start",
+    JobState.CHECKPOINTING: "checkpoint",
+    # Moving away: the checkpoint is committed, the source must stop writing (fence).
+    JobState.MIGRATING: "stop",
+}
+
+
+def node_for_token(presented: str) -> Node | None:
+    """The node a node token belongs to; the stored hash is compared in constant time."""
+    prefix = tokens.split_prefix(presented)
+    if not prefix or not presented.startswith("wzn_"):
+        return None
+    digest = tokens.digest(presented)
+    for node in Node.objects.select_related("pool", "tenant").filter(token_prefix=prefix).exclude(token_hash=""):
+        if hmac.compare_digest(node.token_hash, digest):
+            return node
+    return None
+
+
+def node_assignments(*, node: Node) -> dict[str, Any]:
+    """Everything the node should be doing now, with the node epoch of that view.
+
+    The node row is locked while reading so the epoch and the allocations belong to one moment
+    (allocation_commit locks the same row when it changes them).
+    """
+    with transaction.atomic():
+        epoch = Node.objects.select_for_update().filter(pk=node.pk).values_list("epoch", flat=True).get()
+        allocations = list(Allocation.objects.filter(node=node, active=True).select_related("job")
+                           .order_by("epoch", "pk"))
+        slices = (AllocationSlice.objects.filter(allocation__in=allocations, active=True)
+                  .select_related("gpu").order_by("gpu__index"))
+        gpus_by_allocation: dict[int, dict[int, str]] = {}
+        for piece in slices:
+            gpus_by_allocation.setdefault(piece.allocation_id, {})[piece.gpu.index] = piece.gpu.uuid
+    return {"epoch": epoch, "assignments": [_assignment(a, gpus_by_allocation.get(a.pk, {})) for a in allocations]}
+
+
+def _assignment(allocation: Allocation, gpus: dict[int, str]) -> dict[str, Any]:
+    job = allocation.job
+    spec = job.spec or {}
+    indices = sorted(gpus)
+    uuids = [gpus[i] for i in indices]
+    action = _ACTION_BY_JOB_STATE.get(job.state, "stop")
+    return {
+        "id": str(allocation.pk),
+        "job_id": str(job.pk),
+        "epoch": allocation.epoch,
+        "action": action,
+        "gpu_indices": indices,
+        # Only when every GPU has a real UUID: the agent then checks it is talking about the same GPUs.
+        "gpu_uuids": uuids if all(u.startswith("GPU-") and "-sim-" not in u for u in uuids) and uuids else None,
+        "gpu_milli": job.gpu_milli if 0 < job.gpu_milli <= 1000 else 1000,
+        "command": spec.get("command"),
+        "env": spec.get("env") or {},
+        "checkpoint_uri": (spec.get("checkpoint") or {}).get("uri"),
+        "checkpoint_request_id": _checkpoint_request_id(job) if action == "checkpoint" else None,
+    }
+
+
+def _checkpoint_request_id(job) -> str:
+    """One id per entry into CHECKPOINTING, so the agent delivers each request exactly once."""
+    event = (JobEvent.objects.filter(job=job, kind="state", data__to=JobState.CHECKPOINTING)
+             .order_by("-id").values_list("id", flat=True).first())
+    return f"job{job.pk}-ev{event or 0}"

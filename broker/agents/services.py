@@ -1,0 +1,319 @@
+"""Writes for the agent protocol: register a node, store heartbeats, apply status reports, mark
+silent nodes LOST. Views and tasks are thin and call these.
+
+Job state changes go through `broker.jobs.services.job_transition` (compare-and-set). A report
+about an allocation that is no longer active is recorded but moves nothing: the job has moved on
+(requeued, restarted elsewhere), and an old process's exit must not touch its new incarnation.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from broker.agents.models import AssignmentReport, NodeAgent
+from broker.inventory.models import CloudInstance, Gpu, GpuHealth, Node, NodeState, Pool
+from broker.inventory.services import gpu_model_resolve
+from broker.jobs.models import Allocation, Job
+from broker.jobs.services import IllegalTransition, StaleState, event_append, job_transition
+from broker.jobs.states import JobState
+from broker.tenancy import tokens
+
+log = logging.getLogger(__name__)
+
+
+def heartbeat_seconds() -> int:
+    return int(getattr(settings, "WHALEZEN_AGENT_HEARTBEAT_SECONDS", 5))
+
+
+def lost_after_seconds() -> int:
+    """Silence after which a node is LOST: six missed heartbeats by default."""
+    return int(getattr(settings, "WHALEZEN_NODE_LOST_AFTER_SECONDS", 6 * heartbeat_seconds()))
+
+
+class AgentError(Exception):
+    status = 400
+
+    def __init__(self, message: str, *, field: str = "detail") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class JoinRefused(AgentError):
+    status = 401
+
+
+class NameTaken(AgentError):
+    status = 409
+
+
+class ReportRejected(AgentError):
+    status = 409
+
+
+class AssignmentUnknown(AgentError):
+    status = 404
+
+
+# -- registration --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Registration:
+    node: Node
+    token: str  # plaintext node token: returned to the agent once, stored only as a hash
+    created: bool
+
+
+def _join_target(join_token: str) -> tuple[Pool, CloudInstance | None]:
+    """The pool a join token admits to: a pool's join token, or a cloud instance's one-time token."""
+    digest = tokens.digest(join_token)
+    if join_token.startswith("wzi_"):
+        instance = CloudInstance.objects.select_related("pool").filter(join_token_hash=digest).first()
+        if instance is not None and hmac.compare_digest(instance.join_token_hash, digest) and instance.pool.enabled:
+            return instance.pool, instance
+        raise JoinRefused("Invalid join token.")
+    prefix = tokens.split_prefix(join_token)
+    if prefix:
+        for pool in Pool.objects.filter(join_token_prefix=prefix, enabled=True).exclude(join_token_hash=""):
+            if tokens.matches(join_token, pool.join_token_hash):
+                return pool, None
+    raise JoinRefused("Invalid join token.")
+
+
+def agent_register(*, data: dict[str, Any]) -> Registration:
+    """Create the node (or re-admit it) and its GPUs; issue a new node token.
+
+    The same agent (same `agent_key`) registering again gets the same node and a fresh token (its
+    first answer may have been lost). Another agent may take over a node name only while that node
+    has no agent yet (pre-created by an admin or the demo seed) or is LOST/OFFLINE.
+    """
+    pool, instance = _join_target(data["join_token"])
+    name = instance.node_name if instance is not None and instance.node_name else data["name"]
+    now = timezone.now()
+    issued = tokens.issue("wzn")
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(pool=pool, name=name).first()
+        created = node is None
+        if node is None:
+            node = Node(tenant=pool.tenant, pool=pool, name=name, state=NodeState.ONLINE)
+        else:
+            agent = NodeAgent.objects.filter(node=node).first()
+            same_agent = agent is not None and hmac.compare_digest(agent.agent_key, data["agent_key"])
+            if agent is not None and not same_agent and node.state in (NodeState.ONLINE, NodeState.DRAINING):
+                raise NameTaken(f"Node {name} in pool {pool.name} belongs to another agent that is still "
+                                f"{node.state}; start this agent with another --name.", field="name")
+            if agent is not None and not same_agent:
+                # The previous agent's processes are gone with it (the machine was reinstalled).
+                _requeue_jobs_on(node, reason_code="NODE_REREGISTERED",
+                                 message=f"Node {name} was taken over by a new agent.")
+            if node.state in (NodeState.LOST, NodeState.OFFLINE):
+                node.state = NodeState.ONLINE  # DRAINING is an admin's decision: it stays
+        node.hostname = data.get("hostname") or ""
+        node.cpu_milli = data.get("cpu_milli") or 0
+        node.memory_mb = data.get("memory_mb") or 0
+        node.labels = {**(node.labels or {}), **data.get("labels", {})}
+        node.labels.pop("simulated", None)  # a live agent now speaks for it
+        node.token_prefix, node.token_hash = issued.prefix, issued.digest
+        node.agent_version = data.get("agent_version") or ""
+        node.topology = {**(data.get("topology") or {}),
+                         "gpus_summary": [{k: g.get(k) for k in ("index", "nvlink_island", "nvlink_peers", "numa_node",
+                                                                 "cpu_affinity", "pci_bus_id")}
+                                          for g in data["gpus"]]}
+        node.last_heartbeat_at = now
+        node.save()
+        # Every (re-)registration starts a new epoch: answers from before it are stale.
+        Node.objects.filter(pk=node.pk).update(epoch=F("epoch") + 1)
+        _upsert_gpus(node, data["gpus"], now)
+        NodeAgent.objects.update_or_create(node=node, defaults={
+            "agent_key": data["agent_key"], "backend": data.get("backend") or "",
+            "driver_version": data.get("driver_version") or "",
+            "cuda_driver_version": data.get("cuda_driver_version") or "",
+            "registered_at": now, "missed_heartbeats": 0, "last_error": "",
+        })
+    node.refresh_from_db()
+    if instance is not None:
+        _hand_over_cloud_instance(node)
+    log.info("node %s registered in pool %s (%d GPUs, %s)", node.name, pool.name, len(data["gpus"]),
+             "new" if created else "re-admitted")
+    return Registration(node=node, token=issued.plaintext, created=created)
+
+
+def _upsert_gpus(node: Node, gpus: list[dict[str, Any]], now: datetime) -> None:
+    existing = {g.index: g for g in Gpu.objects.filter(node=node)}
+    for info in gpus:
+        model_name = info.get("model") or ""
+        values = {
+            "uuid": info.get("uuid") or "",
+            "model": gpu_model_resolve(model_name) if model_name else None,
+            "model_name": model_name[:64],
+            "memory_mb": info.get("memory_mb") or 0,
+            "nvlink_island": info.get("nvlink_island"),
+            "numa_node": info["numa_node"] if (info.get("numa_node") or 0) >= 0 else None,
+            "pci_bus_id": info.get("pci_bus_id") or "",
+            "mig_mode": info.get("mig_mode") == "enabled",
+            "last_seen_at": now,
+        }
+        gpu = existing.pop(info["index"], None)
+        if gpu is None:
+            Gpu.objects.create(node=node, index=info["index"], **values)
+        else:
+            Gpu.objects.filter(pk=gpu.pk).update(**values)
+    # GPUs the node no longer reports (fell off the bus before the agent started, removed): keep the
+    # rows (allocations point at them) but never schedule on them.
+    Gpu.objects.filter(pk__in=[g.pk for g in existing.values()]).update(health=GpuHealth.FAILED)
+
+
+def _hand_over_cloud_instance(node: Node) -> None:
+    """A cloud instance's agent is up: the provisioning service gives it the jobs waiting for it."""
+    from broker.provisioning.services import instance_node_registered  # the provisioning app owns this
+
+    instance_node_registered(node=node)
+
+
+# -- heartbeats ----------------------------------------------------------------------------------
+def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
+    """Store the node's telemetry per GPU; bring a LOST node back ONLINE. Returns the answer body."""
+    now = timezone.now()
+    agent_version = data.get("agent_version") or node.agent_version
+    with transaction.atomic():
+        came_back = Node.objects.filter(pk=node.pk, state=NodeState.LOST).update(
+            state=NodeState.ONLINE, last_heartbeat_at=now, agent_version=agent_version) == 1
+        if not came_back:
+            Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now, agent_version=agent_version)
+        gpus = {g.index: g for g in Gpu.objects.filter(node=node)}
+        changed = []
+        for reading in data.get("telemetry", []):
+            gpu = gpus.get(reading["index"])
+            if gpu is None:
+                continue  # a GPU the node did not register: nothing to attach it to
+            gpu.utilization_pct = reading.get("utilization_pct")
+            gpu.memory_used_mb = reading.get("memory_used_mb")
+            gpu.temperature_c = reading.get("temperature_c")
+            gpu.power_w = reading.get("power_w")
+            gpu.ecc_errors = reading.get("ecc_uncorrected") or 0
+            gpu.health = reading["health"]
+            if reading.get("mig_mode") in ("enabled", "disabled"):
+                gpu.mig_mode = reading["mig_mode"] == "enabled"
+            gpu.last_seen_at = now
+            changed.append(gpu)
+        Gpu.objects.bulk_update(changed, ["utilization_pct", "memory_used_mb", "temperature_c", "power_w",
+                                          "ecc_errors", "health", "mig_mode", "last_seen_at"])
+        NodeAgent.objects.filter(node=node).update(
+            last_telemetry=data.get("telemetry", []), processes=data.get("processes", []),
+            missed_heartbeats=data.get("missed_heartbeats") or 0, last_error=data.get("last_error") or "")
+    if came_back:
+        log.warning("node %s is back after being marked LOST", node.name)
+    epoch = Node.objects.filter(pk=node.pk).values_list("epoch", flat=True).get()
+    return {"epoch": epoch, "lost": came_back, "heartbeat_seconds": heartbeat_seconds()}
+
+
+# -- status reports ------------------------------------------------------------------------------
+def agent_report_status(*, node: Node, allocation_id: str, data: dict[str, Any]) -> AssignmentReport:
+    allocation = (Allocation.objects.select_related("job").filter(pk=allocation_id, node=node).first()
+                  if allocation_id.isdigit() else None)
+    if allocation is None:
+        raise AssignmentUnknown(f"No assignment {allocation_id} on this node.")
+    if data["epoch"] != allocation.epoch:
+        raise ReportRejected(f"Assignment {allocation_id} is at epoch {allocation.epoch}, not {data['epoch']}.",
+                             field="epoch")
+    state, reason = data["state"], data.get("reason") or ""
+    report, _ = AssignmentReport.objects.update_or_create(allocation=allocation, defaults={
+        "state": state, "reason": reason, "exit_code": data.get("exit_code"),
+        "message": data.get("message") or "", "pid": data.get("pid"),
+    })
+    job = allocation.job
+    event_append(job=job, kind="agent", reason_code=f"AGENT_{state.upper()}",
+                 message=f"{node.name}: {data.get('message') or state}",
+                 data={"node": node.name, "allocation": allocation.pk, "state": state, "reason": reason,
+                       "exit_code": data.get("exit_code"), "pid": data.get("pid")})
+    if allocation.active:
+        _apply_report(job=job, allocation=allocation, state=state, reason=reason,
+                      message=data.get("message") or state, node=node)
+    return report
+
+
+def _apply_report(*, job: Job, allocation: Allocation, state: str, reason: str, message: str, node: Node) -> None:
+    job.refresh_from_db()
+    before_running = (JobState.PLACED, JobState.PROVISIONING, JobState.STARTING)
+    if state == "running" and job.state in before_running:
+        _advance(job, [JobState.STARTING, JobState.RUNNING], reason_code="AGENT_RUNNING",
+                 message=f"Running on {node.name}.")
+    elif state == "exited":
+        others = (Allocation.objects.filter(job=job, active=True).exclude(pk=allocation.pk)
+                  .exclude(agent_report__state="exited"))
+        if not others.exists():  # a gang job succeeds when every node's part exited cleanly
+            steps = [JobState.STARTING, JobState.SUCCEEDED] if job.state in before_running else [JobState.SUCCEEDED]
+            _advance(job, steps, reason_code="JOB_EXITED", message=f"Exited with code 0 on {node.name}.")
+    elif state == "failed" and reason in ("agent_crashed", "not_running"):
+        _requeue(job, reason_code="AGENT_RESTARTED", message=f"{node.name}: {message}. Restarting the job.")
+    elif state == "failed":
+        _advance(job, [JobState.FAILED], reason_code="JOB_FAILED", message=f"{node.name}: {message}.")
+    elif state == "stopped" and job.state != JobState.MIGRATING:
+        # The broker did not take this allocation away (it is still active), yet the process ended:
+        # the agent shut down or the node re-registered. The job goes back to the queue.
+        _requeue(job, reason_code="AGENT_STOPPED_JOB", message=f"{node.name}: {message}.")
+    elif state == "refused":
+        _requeue(job, reason_code="ASSIGNMENT_REFUSED", message=f"{node.name} refused the job: {message}.")
+
+
+def _advance(job: Job, steps: list[str], *, reason_code: str, message: str) -> None:
+    """Take `steps` in order; stop quietly at the first one the state machine or a race refuses
+    (a duplicate report, or someone else moved the job first)."""
+    for target in steps:
+        if job.state == target:
+            continue
+        try:
+            job = job_transition(job=job, to=target, reason_code=reason_code, message=message)
+        except (IllegalTransition, StaleState):
+            return
+
+
+def _requeue(job: Job, *, reason_code: str, message: str) -> bool:
+    """Back to PENDING (which releases its GPUs); a CHECKPOINTING job goes through PREEMPTED."""
+    for _ in range(3):
+        try:
+            if job.state == JobState.CHECKPOINTING:
+                job = job_transition(job=job, to=JobState.PREEMPTED, reason_code=reason_code, message=message)
+            return bool(job_transition(job=job, to=JobState.PENDING, reason_code=reason_code, message=message))
+        except StaleState:
+            job.refresh_from_db()
+        except IllegalTransition:
+            return False
+    return False
+
+
+def _requeue_jobs_on(node: Node, *, reason_code: str, message: str) -> list[int]:
+    jobs = Job.objects.filter(allocations__node=node, allocations__active=True).distinct()
+    return [job.pk for job in jobs if _requeue(job, reason_code=reason_code, message=message)]
+
+
+# -- the lost-node sweep -------------------------------------------------------------------------
+def nodes_mark_lost(*, now: datetime | None = None) -> list[Node]:
+    """Mark LOST every agent node silent for longer than `lost_after_seconds()`, and requeue its jobs.
+
+    Safe to run twice at once: the compare-and-set on (state, last_heartbeat_at) lets one caller win
+    per node. Nodes that never heartbeated (simulated inventory without an agent) are left alone.
+    """
+    now = now or timezone.now()
+    limit = lost_after_seconds()
+    cutoff = now - timedelta(seconds=limit)
+    lost = []
+    for node in Node.objects.filter(state__in=[NodeState.ONLINE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff):
+        marked = Node.objects.filter(pk=node.pk, state=node.state, last_heartbeat_at__lt=cutoff).update(
+            state=NodeState.LOST, epoch=F("epoch") + 1)
+        if marked != 1:
+            continue
+        silent = int((now - node.last_heartbeat_at).total_seconds())
+        requeued = _requeue_jobs_on(node, reason_code="NODE_LOST",
+                                    message=f"Node {node.name} sent no heartbeat for {silent} s (limit {limit} s); "
+                                            "the job restarts elsewhere from its last committed checkpoint.")
+        log.warning("node %s marked LOST after %d s of silence; %d job(s) requeued", node.name, silent, len(requeued))
+        node.refresh_from_db()
+        lost.append(node)
+    return lost

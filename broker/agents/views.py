@@ -1,0 +1,73 @@
+"""HTTP endpoints of the agent protocol (docs/agent.md). Thin: validate, call a service, answer.
+
+They are machine-to-machine and left out of the public OpenAPI document.
+"""
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import status
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from broker.agents import serializers as s
+from broker.agents.authentication import IsNodeAgent, NodeTokenAuthentication
+from broker.agents.selectors import node_assignments
+from broker.agents.services import AgentError, agent_heartbeat, agent_register, agent_report_status, heartbeat_seconds
+
+
+def _error(err: AgentError) -> Response:
+    body = {"detail": str(err)} if err.field == "detail" else {err.field: [str(err)], "detail": str(err)}
+    return Response(body, status=err.status)
+
+
+class _NodeView(APIView):
+    authentication_classes = [NodeTokenAuthentication]
+    permission_classes = [IsNodeAgent]
+    throttle_classes: list = []
+
+
+@extend_schema(exclude=True)
+class RegisterView(APIView):
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+    throttle_classes: list = []
+
+    def post(self, request: Request) -> Response:
+        serializer = s.RegisterSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            registration = agent_register(data=serializer.validated_data)
+        except AgentError as err:
+            return _error(err)
+        return Response({"node_id": str(registration.node.pk), "node_token": registration.token,
+                         "heartbeat_seconds": heartbeat_seconds(), "epoch": registration.node.epoch},
+                        status=status.HTTP_201_CREATED if registration.created else status.HTTP_200_OK)
+
+
+@extend_schema(exclude=True)
+class HeartbeatView(_NodeView):
+    def post(self, request: Request) -> Response:
+        serializer = s.HeartbeatSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        return Response(agent_heartbeat(node=request.auth, data=serializer.validated_data))
+
+
+@extend_schema(exclude=True)
+class AssignmentsView(_NodeView):
+    def get(self, request: Request) -> Response:
+        return Response(node_assignments(node=request.auth))
+
+
+@extend_schema(exclude=True)
+class StatusView(_NodeView):
+    def post(self, request: Request, assignment_id: str) -> Response:
+        serializer = s.StatusSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            report = agent_report_status(node=request.auth, allocation_id=assignment_id,
+                                         data=serializer.validated_data)
+        except AgentError as err:
+            return _error(err)
+        return Response({"ok": True, "state": report.state})
