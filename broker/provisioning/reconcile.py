@@ -46,11 +46,13 @@ class PoolReconcileSummary:
 
 
 def _records(pool: Pool) -> list[KnownInstance]:
-    rows = CloudInstance.objects.filter(pool=pool).exclude(state__in=[InstanceState.TERMINATED])
+    # Live records only: an instance whose record already failed is an orphan and gets cleaned up.
+    rows = CloudInstance.objects.filter(pool=pool, state__in=[
+        InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING, InstanceState.TERMINATING])
     return [KnownInstance(provider=pool.kind, request_key=r.request_key, provider_instance_id=r.provider_id,
                           region=r.offer.get("region", pool.region), zone=r.zone, recorded_at=r.created_at,
                           terminating=r.state == InstanceState.TERMINATING)
-            for r in rows if not (r.state == InstanceState.FAILED and not r.provider_id)]
+            for r in rows]
 
 
 def pool_reconcile(*, pool: Pool) -> PoolReconcileSummary:
