@@ -6,10 +6,12 @@ Jobs (submission times, GPU counts, durations) come from ``philly/philly.csv``: 
 trace (``--start-day`` days after its first job), one job in ``--every`` kept so the run stays
 short, jobs above 8 GPUs left out (multi-node gangs are not modelled here).  Durations are taken
 as run times on the on-prem GPU (V100, speed 1.0); faster cloud GPUs finish sooner (assumed
-speeds below).  Every job may run on a V100 or anything faster.  The fleet: ``--onprem-nodes``
-8-GPU V100 nodes billed at ``--onprem-rate`` per GPU-hour used, plus the offers of
-``catalog-excerpts/`` on demand (an instance boots in ``--boot-s`` and is billed from launch to
-release).  Policies:
+speeds below).  Every job may run on a V100 or anything faster, is checkpointable (every 30 min)
+and, unless ``--on-demand-only``, may run on spot.  The fleet: ``--onprem-nodes`` 8-GPU V100
+nodes billed at ``--onprem-rate`` per GPU-hour used, plus the offers of ``catalog-excerpts/``
+(an instance boots in ``--boot-s`` and is billed from launch to release, at its spot price when
+launched as spot; the cloud takes a spot instance back after an exponential time with mean
+``--spot-mtti-h`` hours, and its jobs restart from their last checkpoint).  Policies:
 
 * ``whalezen``: the core engine (``scheduling.engine.schedule``) every cycle; it may place jobs on
   free GPUs of instances it already rents, and keeps an empty instance ``--idle-release-s`` for
@@ -51,7 +53,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--onprem-rate", type=float, default=1.50, help="internal $ per V100 GPU-hour")
     p.add_argument("--cycle-s", type=float, default=120.0)
     p.add_argument("--boot-s", type=float, default=180.0)
-    p.add_argument("--idle-release-s", type=float, default=600.0)
+    p.add_argument("--idle-release-s", type=float, default=0.0,
+                   help="whalezen keeps an empty instance this long for reuse (0 measured cheapest)")
+    p.add_argument("--on-demand-only", action="store_true",
+                   help="jobs may not run on spot (default: checkpointable jobs may, for both cloud policies)")
+    p.add_argument("--spot-mtti-h", type=float, default=24.0, help="mean hours before a spot instance is taken back")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="whalezen,greedy-cheapest,onprem-fifo")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
@@ -68,7 +75,7 @@ def summary(res: SimResult) -> dict[str, float]:
             "queue_p95_h": round(float(np.percentile(queue, 95)), 3) if len(queue) else None,
             "queue_mean_h": round(float(queue.mean()), 3) if len(queue) else None,
             "finished": len(res.jct_s), "unfinished": res.unfinished, "launches": res.launches,
-            "restarts": res.restarts}
+            "restarts": res.restarts, "spot_interruptions": res.interruptions}
 
 
 def make_policy(name: str, idle_release_s: float):
@@ -106,13 +113,14 @@ def plot(out: str, result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     jobs, too_big = read_philly(args.philly, args.start_day, args.days, args.every)
-    jobs = [j.__class__(j.id, j.submit_s, j.gpus, j.work_s, ALLOWED) for j in jobs]
+    jobs = [j.__class__(j.id, j.submit_s, j.gpus, j.work_s, ALLOWED, spot_ok=not args.on_demand_only) for j in jobs]
     offers = read_offers(args.catalog)
     nodes = [SimNode(f"onprem-{i:02d}", "V100", 8, args.onprem_rate) for i in range(args.onprem_nodes)]
-    result: dict = {"jobs": len(jobs), "left_out_over_8_gpus": too_big, "offers": len(offers),
+    result: dict = {"spot_allowed": not args.on_demand_only, "jobs": len(jobs), "left_out_over_8_gpus": too_big, "offers": len(offers),
                     "onprem_gpus": 8 * args.onprem_nodes, "policies": {}}
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        sim = Simulator(jobs, nodes, offers, SPEEDS, cycle_s=args.cycle_s, boot_s=args.boot_s)
+        sim = Simulator(jobs, nodes, offers, SPEEDS, cycle_s=args.cycle_s, boot_s=args.boot_s,
+                        spot_mtti_s=args.spot_mtti_h * 3600, seed=args.seed)
         pol = make_policy(name, args.idle_release_s)
         t0 = time.perf_counter()
         res = sim.run(pol)

@@ -44,11 +44,11 @@ def build_snapshot(sim: Simulator, weights: PolicyWeights, launchable: int, sunk
             checkpoint_age_s=ran % sim.checkpoint_s, restart_cost_s=sim.restart_s))
     pending = tuple(JobDemand(
         r.job.id, tenant=r.job.tenant, gpus=r.job.gpus, allowed_models=r.job.allowed_models,
-        spot="never", preemptible=r.job.checkpointable,
+        spot="allowed" if r.job.spot_ok else "never", preemptible=r.job.checkpointable,
         expected_duration_hours=max(r.job.work_s - r.done_work_s, 60.0) / 3600.0,
         submitted_at=r.job.submit_s) for r in sim.pending)
     offers = tuple(CloudOffer(o.id, o.provider, o.region, o.zone, o.instance_type, o.model, o.gpus,
-                              GPU_MEMORY_MB, o.price_per_hour, None, launchable,
+                              GPU_MEMORY_MB, o.price_per_hour, o.spot_price_per_hour, launchable,
                               vcpus=o.vcpus, memory_mb=int(o.memory_gib * 1024))
                    for o in sim.offers)
     models = tuple(GpuModelInfo(m, cu_rating=s) for m, s in sorted(sim.speeds.items()))
@@ -71,9 +71,10 @@ def plan_to_actions(plan: Plan) -> list[Action]:
             actions.append(Start(pl.job_id, part.node_id, tuple(part.gpu_indices)))
         elif part.launch_id is not None:
             launched[(part.launch_id, part.instance)].append((pl.job_id, tuple(part.gpu_indices)))
-    offer_of = {launch.launch_id: launch.offer_id for launch in plan.launches}
+    launch_of = {launch.launch_id: launch for launch in plan.launches}
     for (launch_id, _instance), jobs in sorted(launched.items()):
-        actions.append(Launch(offer_of[launch_id], tuple(j for j, _ in jobs), tuple(g for _, g in jobs)))
+        la = launch_of[launch_id]
+        actions.append(Launch(la.offer_id, tuple(j for j, _ in jobs), tuple(g for _, g in jobs), spot=la.spot))
     return actions
 
 
@@ -119,7 +120,8 @@ def consolidation_moves(sim: Simulator, actions: list[Action], max_moves: int = 
                         min_run_s: float = 600.0, min_remaining_s: float = 1800.0) -> list[Action]:
     """Karpenter-style consolidation after the engine's placements: empty the least used rented
     instances when every job on them fits on free on-prem GPUs or on free GPUs of instances that
-    stay, moving each with a checkpoint (no work lost, the restart cost paid).  A job moves only if
+    stay, and the instance costs more per hour than the moved jobs will cost where they land;
+    each job moves with a checkpoint (no work lost, the restart cost paid).  A job moves only if
     it has run ``min_run_s`` and has ``min_remaining_s`` of work left (a short job just finishes).
     Returns the extra Stop/Start actions; the emptied instance is then released.
     """
@@ -166,6 +168,12 @@ def consolidation_moves(sim: Simulator, actions: list[Action], max_moves: int = 
             trial[dest[0]].update(dest[1])
             plan.append((r.job.id, dest[0], dest[1]))
         if len(plan) != len(jobs):
+            continue
+        # worth it only if the instance's hourly price exceeds what the jobs cost where they land
+        # (on-prem at its internal rate; free GPUs of instances that stay are already paid)
+        added = sum(len(g) * sim.nodes[d].node.price_per_gpu_hour for _, d, g in plan
+                    if sim.nodes[d].offer is None)
+        if run.price_per_hour <= added:
             continue
         draining.add(nid)
         for jid, d, gpus in plan:

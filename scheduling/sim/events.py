@@ -19,6 +19,8 @@ reference GPU, speed 1.0).  Everything is deterministic for a given input.
 from __future__ import annotations
 
 import heapq
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
@@ -32,6 +34,7 @@ class SimJob:
     allowed_models: tuple[str, ...] = ()  # empty: any
     checkpointable: bool = True
     tenant: str = ""
+    spot_ok: bool = False  # may run on spot (interruptible) capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class Launch:
     job_ids: tuple[str, ...]
     # GPUs of the new instance for each job; None: packed from GPU 0 in job order
     gpus: tuple[tuple[int, ...], ...] | None = None
+    spot: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,16 @@ class NodeRun:
     ready_s: float = 0.0
     jobs: set[str] = field(default_factory=set)
     idle_since: float | None = None  # rented instance with no job since then
+    spot: bool = False
+
+    @property
+    def price_per_hour(self) -> float:
+        """What the instance costs per hour while rented (0 for on-prem nodes)."""
+        if self.offer is None:
+            return 0.0
+        if self.spot and self.offer.spot_price_per_hour is not None:
+            return self.offer.spot_price_per_hour
+        return self.offer.price_per_hour
 
     @property
     def free_gpus(self) -> list[int]:
@@ -146,12 +160,14 @@ class SimResult:
     launches: int
     restarts: int
     cycles: int
+    interruptions: int = 0
 
 
 class Simulator:
     def __init__(self, jobs: Sequence[SimJob], nodes: Sequence[SimNode], offers: Sequence[SimOffer],
                  speeds: Mapping[str, float], cycle_s: float = 120.0, boot_s: float = 180.0,
-                 checkpoint_s: float = 1800.0, restart_s: float = 120.0, horizon_s: float | None = None) -> None:
+                 checkpoint_s: float = 1800.0, restart_s: float = 120.0, horizon_s: float | None = None,
+                 spot_mtti_s: float = 24 * 3600.0, seed: int = 0) -> None:
         self.jobs = {j.id: JobRun(j) for j in jobs}
         self.nodes: dict[str, NodeRun] = {n.id: NodeRun(n, [True] * n.gpus) for n in nodes}
         self.offers = list(offers)
@@ -160,6 +176,10 @@ class Simulator:
         self.cycle_s, self.boot_s = cycle_s, boot_s
         self.checkpoint_s, self.restart_s = checkpoint_s, restart_s
         self.horizon_s = horizon_s
+        # spot instances are interrupted after an exponential time with this mean (seeded)
+        self.spot_mtti_s = spot_mtti_s
+        self._rng = np.random.default_rng(seed)
+        self.interruptions = 0
         self.now = 0.0
         self.pending: list[JobRun] = []
         self.cloud_dollars = 0.0
@@ -180,7 +200,7 @@ class Simulator:
 
     # ------------------------------------------------------------------------------------ events
 
-    COMPLETE, ARRIVE, CYCLE = 0, 1, 2
+    COMPLETE, INTERRUPT, ARRIVE, CYCLE = 0, 1, 2, 3
 
     def _push(self, t: float, kind: int, job: str = "", epoch: int = 0) -> None:
         self._seq += 1
@@ -200,6 +220,8 @@ class Simulator:
                 r = self.jobs[job_id]
                 if r.epoch == epoch and r.finish_s is None:
                     self._complete(r)
+            elif kind == self.INTERRUPT:
+                self._interrupt(job_id)
             elif kind == self.ARRIVE:
                 self.pending.append(self.jobs[job_id])
                 self.log.append((t, "arrive", job_id))
@@ -246,7 +268,7 @@ class Simulator:
             until = run.idle_since + getattr(self, "grace", 0.0)
             if until <= self.now:
                 del self.nodes[nid]
-                self.cloud_dollars += (until - run.launched_s) / 3600.0 * run.offer.price_per_hour
+                self.cloud_dollars += (until - run.launched_s) / 3600.0 * run.price_per_hour
                 self.log.append((until, "release", nid))
 
     # ----------------------------------------------------------------------------------- actions
@@ -259,7 +281,7 @@ class Simulator:
             if isinstance(a, Start):
                 self._start(self.jobs[a.job_id], a.node_id, a.gpus)
             elif isinstance(a, Launch):
-                nid = self._launch(self.offer_by_id[a.offer_id])
+                nid = self._launch(self.offer_by_id[a.offer_id], a.spot)
                 g = 0
                 for k, jid in enumerate(a.job_ids):
                     n = self.jobs[jid].job.gpus
@@ -267,14 +289,31 @@ class Simulator:
                     self._start(self.jobs[jid], nid, gpus)
                     g += n
 
-    def _launch(self, offer: SimOffer) -> str:
+    def _launch(self, offer: SimOffer, spot: bool = False) -> str:
+        spot = spot and offer.spot_price_per_hour is not None
         self._instances += 1
         self.launches += 1
         nid = f"{offer.id}#{self._instances}"
-        node = SimNode(nid, offer.model, offer.gpus, offer.price_per_hour / max(offer.gpus, 1), offer.provider)
-        self.nodes[nid] = NodeRun(node, [True] * offer.gpus, offer, self.now, self.now + self.boot_s)
+        price = offer.spot_price_per_hour if spot else offer.price_per_hour
+        node = SimNode(nid, offer.model, offer.gpus, price / max(offer.gpus, 1), offer.provider)  # type: ignore[operator]
+        self.nodes[nid] = NodeRun(node, [True] * offer.gpus, offer, self.now, self.now + self.boot_s, spot=spot)
+        if spot:
+            self._push(self.now + float(self._rng.exponential(self.spot_mtti_s)), self.INTERRUPT, nid)
         self.log.append((self.now, "launch", nid))
         return nid
+
+    def _interrupt(self, nid: str) -> None:
+        """The cloud takes a spot instance back: its jobs stop (losing work since their last
+        checkpoint) and go back to pending; the instance is billed until now."""
+        run = self.nodes.get(nid)
+        if run is None:
+            return  # already released
+        self.interruptions += 1
+        for jid in sorted(run.jobs):
+            self._stop(self.jobs[jid], checkpoint=False)
+        del self.nodes[nid]
+        self.cloud_dollars += (self.now - run.launched_s) / 3600.0 * run.price_per_hour
+        self.log.append((self.now, "interrupt", nid))
 
     def _start(self, r: JobRun, node_id: str, gpus: tuple[int, ...]) -> None:
         node = self.nodes[node_id]
@@ -327,7 +366,7 @@ class Simulator:
         for run in list(self.nodes.values()):
             if run.offer is not None:
                 end = self.now if run.idle_since is None else min(self.now, run.idle_since + self.grace)
-                self.cloud_dollars += (end - run.launched_s) / 3600.0 * run.offer.price_per_hour
+                self.cloud_dollars += (end - run.launched_s) / 3600.0 * run.price_per_hour
         done = [r for r in self.jobs.values() if r.finish_s is not None]
         return SimResult(
             dollars=self.cloud_dollars + self.onprem_dollars, onprem_dollars=self.onprem_dollars,
@@ -335,4 +374,5 @@ class Simulator:
             jct_s=[r.finish_s - r.job.submit_s for r in done],  # type: ignore[operator]
             queue_s=[r.first_start_s - r.job.submit_s for r in done],  # type: ignore[operator]
             unfinished=len(self.jobs) - len(done), launches=self.launches,
-            restarts=sum(r.restarts for r in self.jobs.values()), cycles=self.cycles)
+            restarts=sum(r.restarts for r in self.jobs.values()), cycles=self.cycles,
+            interruptions=self.interruptions)

@@ -52,9 +52,20 @@ class OnPremFifo:
 class GreedyCheapest:
     name = "greedy-cheapest"
 
-    def cheapest_offer(self, offers: list[SimOffer], gpus: int, allowed: tuple[str, ...]) -> SimOffer | None:
-        fits = [o for o in offers if o.gpus >= gpus and _allowed(o.model, allowed)]
-        return min(fits, key=lambda o: (o.price_per_hour, o.id), default=None)
+    def cheapest_offer(self, offers: list[SimOffer], gpus: int, allowed: tuple[str, ...],
+                       spot_ok: bool = False) -> tuple[SimOffer, bool, float] | None:
+        """Cheapest (offer, spot, hourly price) with enough GPUs; spot only if the job allows it."""
+        best: tuple[float, str, bool, SimOffer] | None = None
+        for o in offers:
+            if o.gpus < gpus or not _allowed(o.model, allowed):
+                continue
+            options = [(o.price_per_hour, False)]
+            if spot_ok and o.spot_price_per_hour is not None:
+                options.append((o.spot_price_per_hour, True))
+            for price, spot in options:
+                if best is None or (price, o.id, spot) < best[:3]:
+                    best = (price, o.id, spot, o)
+        return None if best is None else (best[3], best[2], best[0])
 
     def decide(self, sim: Simulator) -> list[Action]:
         actions: list[Action] = []
@@ -62,13 +73,13 @@ class GreedyCheapest:
         for r in sorted(sim.pending, key=lambda r: (r.job.submit_s, r.job.id)):
             job = r.job
             onprem = _best_fit_onprem(sim, job.gpus, job.allowed_models, taken)
-            offer = self.cheapest_offer(sim.offers, job.gpus, job.allowed_models)
+            offer = self.cheapest_offer(sim.offers, job.gpus, job.allowed_models, job.spot_ok)
             onprem_rate = (job.gpus * onprem[0].node.price_per_gpu_hour) if onprem else float("inf")
-            offer_rate = offer.price_per_hour if offer else float("inf")
+            offer_rate = offer[2] if offer else float("inf")
             if onprem is not None and onprem_rate <= offer_rate:
                 run, gpus = onprem
                 taken.setdefault(run.node.id, set()).update(gpus)
                 actions.append(Start(job.id, run.node.id, gpus))
             elif offer is not None:
-                actions.append(Launch(offer.id, (job.id,)))
+                actions.append(Launch(offer[0].id, (job.id,), spot=offer[1]))
         return actions
