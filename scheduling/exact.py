@@ -20,7 +20,7 @@ from scheduling.model import WHOLE_GPU_MILLI, Policy, Snapshot, SolverInfo
 from scheduling.objective import evaluate
 from scheduling.patterns import island_free_counts, node_fragmentation_gpus, to_workload
 from scheduling.problem import Problem, build_problem, workload_classes
-from scheduling.solver import solve
+from scheduling.solver import Costs, solve
 from scheduling.targets import offer_node
 
 
@@ -56,7 +56,8 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
     workload = to_workload(workload_classes(problem.snapshot))
     units = _units(problem)
     prob = pulp.LpProblem("whalezen_exact", pulp.LpMinimize)
-    objective: list[tuple[pulp.LpVariable, float]] = []
+    # Coefficients are summed per variable: LpAffineExpression(list) keeps only the last duplicate.
+    objective: Costs = Costs()
     # choice[(job, unit, gpu-or-island key)] -> (variable, part, positions-or-None)
     choices: dict[str, list[tuple[pulp.LpVariable, int, PartDemand, object]]] = {}
     per_unit_whole: dict[int, list[tuple[pulp.LpVariable, int]]] = {}
@@ -76,8 +77,10 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
                 if candidate is None:
                     continue
                 part, cap = candidate.part, unit.cap
-                money = weights["money"] * candidate.money / max(1, job.nodes)
                 model = problem.targets[unit.target].gpu_model
+                # Per job, not per class: a class may pool jobs of different durations.
+                job_money = candidate.hourly * problem.pricing.runtime_hours(job, model)
+                money = weights["money"] * job_money / max(1, job.nodes)
                 share = problem.pricing.gpu_share(job, model) / max(1, job.nodes)
                 cus = problem.pricing.compute_units(job, model) / max(1, job.nodes)
                 keys: list[object]
@@ -91,13 +94,13 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
                 else:
                     keys = ["any"] if cap.choose(part) is not None else []
                 for key in keys:
-                    var = pulp.LpVariable(f"a_{len(objective)}", cat=pulp.LpBinary)
+                    var = pulp.LpVariable(f"a_{len(objective)}_{u}", cat=pulp.LpBinary)
                     objective.append((var, money))
                     options.append((var, u, part, key))
                     per_unit_any.setdefault(u, []).append(var)
                     cpu.setdefault(u, []).append((var, part.cpu_milli))
                     mem.setdefault(u, []).append((var, part.memory_mb))
-                    tenant_terms.setdefault(job.tenant, []).append((var, share, cus, candidate.money / max(1, job.nodes)))
+                    tenant_terms.setdefault(job.tenant, []).append((var, share, cus, job_money / max(1, job.nodes)))
                     if part.gpus and not part.fractional:
                         per_unit_whole.setdefault(u, []).append((var, part.gpus))
                         if key != "any":
@@ -110,11 +113,13 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
     for demand_class in problem.classes:
         for job_id in demand_class.job_ids:
             job = problem.jobs_by_id[job_id]
-            p = pulp.LpVariable(f"p_{len(placed)}", cat=pulp.LpBinary)
-            placed[job_id] = p
-            objective.append((p, -demand_class.waiting_cost))
+            # Explicit slack (DESIGN.md): "constant minus placed" lets a relative-gap stop return
+            # answers dollars worse, because the constant inflates the objective the gap is taken of.
+            slack = pulp.LpVariable(f"s_{len(placed)}", cat=pulp.LpBinary)
+            placed[job_id] = slack
+            objective.append((slack, demand_class.waiting_cost))
             options = choices.get(job_id, [])
-            prob += pulp.lpSum(v for v, *_ in options) == max(1, job.nodes) * p
+            prob += pulp.lpSum(v for v, *_ in options) + max(1, job.nodes) * slack == max(1, job.nodes)
             by_unit: dict[int, list] = {}
             for v, u, _, _ in options:
                 by_unit.setdefault(u, []).append(v)
@@ -137,6 +142,8 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
                 continue
             capacity = WHOLE_GPU_MILLI * opened[u, p] if (u, p) in opened else cap.free_milli[p]
             prob += pulp.LpAffineExpression(terms) <= capacity
+            if (u, p) in opened:  # a GPU counts as opened only when a share is on it
+                prob += opened[u, p] <= pulp.lpSum(v for v, _ in terms)
         opened_here = [opened[u, p] for p in whole_positions if (u, p) in opened]
         used = pulp.LpAffineExpression(per_unit_whole.get(u, [])) + pulp.lpSum(opened_here)
         prob += used <= len(whole_positions) * scale if is_instance else used <= len(whole_positions)
@@ -170,6 +177,8 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
             objective.append((open_var, weights["money"] * (overhead + idle_cost * len(whole_positions))))
             for v, k in per_unit_whole.get(u, []):
                 objective.append((v, -weights["money"] * idle_cost * k))
+            for v in opened_here:  # a GPU shared out to fractional jobs is not idle either
+                objective.append((v, -weights["money"] * idle_cost))
             unit.open_var = open_var  # type: ignore[attr-defined]
 
     for offer_id in sorted({t.offer.id for t in problem.targets if t.offer is not None}):
@@ -188,8 +197,7 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
             prob += pulp.lpSum(v * c for v, _, c, _ in terms) <= max(0.0, budget.cu_quota - budget.cu_in_use)
         if budget.remaining_budget is not None:
             prob += pulp.lpSum(v * d for v, _, _, d in terms) <= max(0.0, budget.remaining_budget)
-    constant = sum(c.waiting_cost * c.size for c in problem.classes)
-    prob += pulp.LpAffineExpression(objective) + constant
+    prob += pulp.LpAffineExpression(list(objective.items()))
     result = solve(prob, preference=problem.policy.solver, time_limit_s=time_limit_s - (time.perf_counter() - started),
                    mip_gap=problem.policy.mip_gap)
     book = Book(problem)

@@ -24,7 +24,7 @@ import pulp
 from scheduling.model import WHOLE_GPU_MILLI
 from scheduling.patterns import ItemType, Pattern, enumerate_patterns, node_fragmentation_gpus, to_workload
 from scheduling.problem import Problem, workload_classes
-from scheduling.solver import MIP_GAP_ABS, SolveResult, solve
+from scheduling.solver import MIP_GAP_ABS, Costs, SolveResult, solve
 
 
 PACKING_EFFICIENCY = 1.0
@@ -59,7 +59,7 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
     prob = pulp.LpProblem("whalezen_aggregate", pulp.LpMinimize)
     weights = problem.weights
     workload = to_workload(workload_classes(problem.snapshot))
-    objective: list[tuple[pulp.LpVariable, float]] = []
+    objective = Costs()
 
     x: dict[tuple[int, int], pulp.LpVariable] = {}
     by_target: dict[int, list[int]] = {}
@@ -99,6 +99,12 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
     for t, class_indices in sorted(by_target.items()):
         target = problem.targets[t]
         parts = {c: _candidate_part(problem, c, t) for c in class_indices}
+        if target.kind == "offer":
+            instances_var = _offer_constraints(problem, prob, x, t, class_indices, parts, objective)
+            z[t, 0] = instances_var
+            patterns_by_target[t] = [Pattern(items=(), gpus_used=0, fragmentation_gpus=0.0)]
+            offer_instances.setdefault(target.offer.id, []).append(instances_var)  # type: ignore[union-attr]
+            continue
         whole_types = sorted({item_type(p.gpus, p.nvlink) for p in parts.values() if p.gpus and not p.fractional})
         patterns = enumerate_patterns(target.rep, whole_types, workload)
         patterns_by_target[t] = patterns
@@ -109,18 +115,9 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
             var = pulp.LpVariable(f"z_{t}_{number}", 0, target.count, cat=pulp.LpInteger)
             z[t, number] = var
             pattern_vars.append(var)
-            cost = weights["fragmentation"] * pattern.fragmentation_gpus
-            if target.kind == "offer":
-                # Launch overhead, plus the GPUs the instance brings but no gang uses.
-                overhead = problem.snapshot.weights.launch_overhead_hours * target.instance_price
-                waste = (total_whole - pattern.gpus_used) * target.node.price_per_gpu_hour * problem.reference_hours
-                cost += weights["money"] * (overhead + 0.5 * waste)
-            objective.append((var, cost))
+            objective.append((var, weights["fragmentation"] * pattern.fragmentation_gpus))
         instances = pulp.lpSum(pattern_vars)
-        if target.kind == "node":
-            prob += instances == target.count, f"shape_{t}"
-        else:
-            offer_instances.setdefault(target.offer.id, []).extend(pattern_vars)  # type: ignore[union-attr]
+        prob += instances == target.count, f"shape_{t}"
         for kind in whole_types:
             users = [c for c in class_indices if item_type(parts[c].gpus, parts[c].nvlink) == kind
                      and not parts[c].fractional and parts[c].gpus]
@@ -150,7 +147,7 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
         prob += pulp.lpSum(variables) <= launchable, f"launchable_{number}"
 
     _tenant_constraints(problem, prob, x)
-    prob += pulp.LpAffineExpression(objective)
+    prob += pulp.LpAffineExpression(list(objective.items()))
     build_seconds = time.perf_counter() - started
     result = _solve_in_two_phases(problem, prob, z, patterns_by_target, started, time_limit_s)
     solution = AggregateSolution(parts={}, patterns={}, instances={}, result=result, build_seconds=build_seconds,
@@ -165,10 +162,57 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
         value = int(round(var.value() or 0))
         if value:
             solution.patterns.setdefault(t, []).append((patterns_by_target[t][number], value))
-    for t, uses in solution.patterns.items():
-        if problem.targets[t].kind == "offer":
-            solution.instances[t] = sum(n for _, n in uses)
+            if problem.targets[t].kind == "offer":
+                solution.instances[t] = value
     return solution
+
+
+def _offer_constraints(problem: Problem, prob: pulp.LpProblem, x: dict, t: int, class_indices: list[int],
+                       parts: dict, objective: "Costs") -> pulp.LpVariable:
+    """Instances of one offer variant: fresh and identical, so pooled capacity needs no patterns.
+
+    Gang sizes that divide the instance's GPU count (1, 2, 4, 8 of 8) pack exactly by pooled
+    count; others are rare and left to mapping and repair. Each instance pays its launch overhead
+    and half the price of the GPUs it leaves idle over the reference run time, as in `objective`.
+    """
+    target = problem.targets[t]
+    weights = problem.weights
+    gpus_per_instance = len(target.node.gpus)
+    instances = pulp.LpVariable(f"n_{t}", 0, target.count, cat=pulp.LpInteger)
+    overhead = problem.snapshot.weights.launch_overhead_hours * target.instance_price
+    idle = 0.5 * target.node.price_per_gpu_hour * problem.reference_hours
+    objective.append((instances, weights["money"] * (overhead + idle * gpus_per_instance)))
+    gangs = [c for c in class_indices if parts[c].gpus and not parts[c].fractional]
+    for c in gangs:
+        objective.append((x[c, t], -weights["money"] * idle * parts[c].gpus))
+    used = pulp.LpAffineExpression([(x[c, t], parts[c].gpus) for c in gangs])
+    fractional = [c for c in class_indices if parts[c].fractional]
+    if fractional:
+        opened = pulp.LpVariable(f"o_{t}", 0, None, cat=pulp.LpInteger)
+        objective.append((opened, -weights["money"] * idle + 1e-3))
+        prob += opened <= pulp.lpSum(x[c, t] for c in fractional), f"open_used_{t}"
+        _dff_cuts(prob, x, t, fractional, parts, opened, 0.0)
+        used += opened
+    prob += used <= gpus_per_instance * instances, f"gpus_{t}"
+    cpu = pulp.LpAffineExpression([(x[c, t], parts[c].cpu_milli) for c in class_indices if parts[c].cpu_milli])
+    mem = pulp.LpAffineExpression([(x[c, t], parts[c].memory_mb) for c in class_indices if parts[c].memory_mb])
+    prob += cpu <= target.rep.free_cpu * instances, f"cpu_{t}"
+    prob += mem <= target.rep.free_mem * instances, f"mem_{t}"
+    return instances
+
+
+def _dff_cuts(prob: pulp.LpProblem, x: dict, t: int, fractional: list[int], parts: dict,
+              opened: pulp.LpVariable, room: float | list[int]) -> None:
+    """Bin-packing cuts: for dual feasible functions u_k (Fekete & Schepers), the shares on one
+    GPU satisfy sum u_k(share) <= u_k(room). Without them the solver filled a shape's GPUs to 99.9%
+    of their milli (0.81 + 0.23 "fitting" on one GPU) and mapping stranded the rest. `room`: the
+    shares already free on partly used GPUs (summed over the shape), as a list of milli values."""
+    for k in (1, 2, 3, 4):
+        weighted = [(x[c, t], _dff(parts[c].milli / WHOLE_GPU_MILLI, k)) for c in fractional]
+        weighted = [(var, w) for var, w in weighted if w > 0]
+        if weighted:
+            free_room = sum(_dff(m / WHOLE_GPU_MILLI, k) for m in room) if isinstance(room, list) else room
+            prob += pulp.LpAffineExpression(weighted) <= opened + free_room, f"frac_dff{k}_{t}"
 
 
 def _solve_in_two_phases(problem: Problem, prob: pulp.LpProblem, z: dict, patterns_by_target: dict,
@@ -188,11 +232,18 @@ def _solve_in_two_phases(problem: Problem, prob: pulp.LpProblem, z: dict, patter
         return time_limit_s - (time.perf_counter() - started)
 
     relaxed = solve(prob, preference=policy.solver, time_limit_s=left(), mip_gap=policy.mip_gap, relax=True)
-    if not relaxed.has_solution or relaxed.objective is None:
+    if not relaxed.proven_optimal or relaxed.objective is None:  # only an optimal LP is a bound
         return solve(prob, preference=policy.solver, time_limit_s=left(), mip_gap=policy.mip_gap)
     bound = relaxed.objective
+    lp_values = {var.name: var.varValue for var in prob.variables()}
     _bound_patterns_near_lp(z, patterns_by_target)
     fixed = solve(prob, preference=policy.solver, time_limit_s=left(), mip_gap=policy.mip_gap)
+    if not fixed.has_solution:
+        # No integer answer in time: round the LP down (mapping and greedy repair place the rest).
+        for var in prob.variables():
+            var.varValue = math.floor((lp_values[var.name] or 0.0) + 1e-6)
+        return SolveResult(fixed.solver, True, False, time.perf_counter() - started,
+                           f"LP rounded down ({fixed.status} in phase two); LP bound {bound:.4f}", None)
     tolerance = max(MIP_GAP_ABS, policy.mip_gap * abs(bound))
     proven = fixed.has_solution and fixed.objective is not None and fixed.objective - bound <= tolerance
     seconds = time.perf_counter() - started
@@ -241,17 +292,10 @@ def _fractional_constraints(problem, prob, x, t, class_indices, parts, patterns,
     open_gpus = pulp.LpVariable(f"o_{t}", 0, None, cat=pulp.LpInteger)
     opened[t] = open_gpus
     prob += open_gpus <= leftover, f"open_{t}"
+    prob += open_gpus <= pulp.lpSum(x[c, t] for c in fractional), f"open_used_{t}"
     milli = pulp.LpAffineExpression([(x[c, t], parts[c].milli) for c in fractional])
     prob += milli <= target.count * sum(partial) + WHOLE_GPU_MILLI * open_gpus, f"frac_{t}"
-    # Bin-packing cuts: for dual feasible functions u_k (Fekete & Schepers), the shares on one GPU
-    # satisfy sum u_k(share) <= u_k(room). Without them the solver filled a shape's GPUs to 99.9%
-    # of their milli (e.g. 0.81 + 0.23 "fitting" on one GPU) and mapping stranded the rest.
-    for k in (1, 2, 3, 4):
-        weighted = [(x[c, t], _dff(parts[c].milli / WHOLE_GPU_MILLI, k)) for c in fractional]
-        weighted = [(var, w) for var, w in weighted if w > 0]
-        if weighted:
-            room = target.count * sum(_dff(m / WHOLE_GPU_MILLI, k) for m in partial)
-            prob += pulp.LpAffineExpression(weighted) <= open_gpus + room, f"frac_dff{k}_{t}"
+    _dff_cuts(prob, x, t, fractional, parts, open_gpus, [m for m in partial for _ in range(target.count)])
     # An opened GPU turns a whole free GPU into a shared one: charge its expected fragmentation.
     shares = [parts[c].milli for c in fractional]
     mean_share = int(sum(shares) / len(shares))

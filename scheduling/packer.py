@@ -107,9 +107,11 @@ class TargetPacker:
             for whole in levels:
                 bucket = self.buckets[whole]
                 for index in bucket if limit is None else bucket[:limit]:
-                    if index in exclude:
+                    cap = self.caps[index]
+                    # Inline CPU/memory check: most misses are there, and a call costs more.
+                    if index in exclude or cap.free_cpu < part.cpu_milli or cap.free_mem < part.memory_mb:
                         continue
-                    positions = self.caps[index].choose(part)
+                    positions = cap.choose(part)
                     if positions is not None:
                         return index, positions
             if all(len(self.buckets[w]) <= LOOKAHEAD for w in levels):

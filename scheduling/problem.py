@@ -51,11 +51,17 @@ class DemandClass:
         return len(self.job_ids)
 
 
-_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(JobDemand) if f.name not in ("job_id", "submitted_at"))
+# Above this many classes, jobs that differ only in identity and expected duration share a class:
+# the MILP prices it at its mean duration and mapping gives the longest members the cheapest
+# hours. With duration in the key 5,000 Alibaba jobs made 342 classes instead of 116 and the MILP
+# 3x bigger; below the threshold classes stay exact (the optimality-gap instances).
+MERGE_DURATIONS_ABOVE = 150
+_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(JobDemand)
+                    if f.name not in ("job_id", "submitted_at", "expected_duration_hours"))
 
 
 def _class_key(job: JobDemand) -> tuple:
-    """Everything that decides where a job may go and what it costs: all fields but its identity."""
+    """Everything that decides where a job may go and what it costs per hour."""
     return tuple(getattr(job, name) for name in _KEY_FIELDS)
 
 
@@ -116,13 +122,19 @@ def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapac
     reference_hours = min(24.0, max(0.1, statistics.median(durations)))
 
     members: dict[tuple, list[JobDemand]] = {}
-    for job in sorted(snapshot.pending, key=lambda j: (j.submitted_at, j.job_id)):
-        members.setdefault(_class_key(job), []).append(job)
+    ordered_jobs = sorted(snapshot.pending, key=lambda j: (j.submitted_at, j.job_id))
+    for job in ordered_jobs:
+        members.setdefault(_class_key(job) + (job.expected_duration_hours,), []).append(job)
+    if len(members) > MERGE_DURATIONS_ABOVE:
+        members = {}
+        for job in ordered_jobs:
+            members.setdefault(_class_key(job), []).append(job)
     ranks = {p: r for r, p in enumerate(sorted({job.priority for job in snapshot.pending}))}
 
     classes: list[DemandClass] = []
     for index, (key, jobs) in enumerate(members.items()):
-        demand = jobs[0]
+        mean_hours = sum(j.expected_duration_hours for j in jobs) / len(jobs)
+        demand = jobs[0] if len(jobs) == 1 else dataclasses.replace(jobs[0], expected_duration_hours=mean_hours)
         gpu_equivalent = (demand.compute_units if demand.compute_units is not None
                           else demand.gpus * min(demand.gpu_milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI)
         waiting = weights["waiting"] * priority_weight(ranks[demand.priority], snapshot.weights.priority_step_factor)

@@ -13,7 +13,16 @@ import pulp
 
 # Stop when the answer is provably within this many objective units (dollars) of the optimum:
 # cents do not justify branching for seconds, and the objective is in dollars.
-MIP_GAP_ABS = 0.5
+MIP_GAP_ABS = 0.01
+
+
+class Costs(dict):
+    """Objective coefficients by variable. `append((var, cost))` adds to what the variable has:
+    `LpAffineExpression(list)` would silently keep only the last of two entries for a variable."""
+
+    def append(self, item: tuple[pulp.LpVariable, float]) -> None:
+        var, cost = item
+        self[var] = self.get(var, 0.0) + cost
 
 
 @dataclass(frozen=True, slots=True)
