@@ -119,6 +119,7 @@ class JobExit:
     exit_code: int | None
     message: str
     reason: str  # exit | exit_code | signal | requested | withdrawn | agent_shutdown | new_node
+    gpu_indices: tuple[int, ...] = ()
 
 
 @dataclass
@@ -289,12 +290,13 @@ def _exit_of(job: RunningJob, code: int) -> JobExit:
     if job.stop_reason is not None:
         how = f"exit code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
         return JobExit(a.id, a.job_id, a.epoch, "stopped", code, f"{job.stop_reason} ({how})",
-                       job.stop_code or "requested")
+                       job.stop_code or "requested", a.gpu_indices)
     if code == 0:
-        return JobExit(a.id, a.job_id, a.epoch, "exited", 0, "exited with code 0", "exit")
+        return JobExit(a.id, a.job_id, a.epoch, "exited", 0, "exited with code 0", "exit", a.gpu_indices)
     if code < 0:
-        return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"killed by signal {_signal_name(-code)}", "signal")
-    return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"exited with code {code}", "exit_code")
+        return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"killed by signal {_signal_name(-code)}", "signal",
+                       a.gpu_indices)
+    return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"exited with code {code}", "exit_code", a.gpu_indices)
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

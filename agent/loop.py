@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-import threading
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,7 +78,13 @@ class Agent:
         self.identity: Identity | None = self._load_identity()
         self.runner = JobRunner(self.store.jobs_dir, base_env=base_env, stop_grace_s=config.stop_grace_s, clock=clock)
         self.backoff = Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s, rng=rng)
-        self.stop_event = threading.Event()
+        # Stop request from a signal handler: a flag plus a byte down a pipe that the loop's select()
+        # waits on. A threading.Event cannot be used there: the handler runs on the main thread,
+        # possibly while Event.wait() holds the Event's lock, and set() would deadlock on it.
+        self.stopping = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.heartbeat_s = config.heartbeat_seconds or DEFAULT_HEARTBEAT_S
         self.last_sample: tuple[GpuReading, ...] = ()
         self.last_sample_at: float | None = None  # wall-clock time of last_sample
@@ -103,19 +109,27 @@ class Agent:
     def run(self) -> int:
         self.start()
         try:
-            while not self.stop_event.is_set():
+            while not self.stopping:
                 delay = self.step()
-                self.stop_event.wait(delay)
+                if not self.stopping:
+                    select.select([self._wake_r], [], [], delay)
+                    _drain(self._wake_r)
         finally:
             self.shutdown()
         return 0
 
     def request_stop(self, *_: Any) -> None:
-        """Signal handler for SIGTERM/SIGINT: only sets a flag, the loop does the work."""
-        self.stop_event.set()
+        """Signal handler for SIGTERM/SIGINT: only a flag and a wake-up byte; the loop does the work."""
+        self.stopping = True
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass  # the pipe is full of earlier wake-ups already
 
     def shutdown(self) -> None:
         """Stop every job (no process of ours may outlive the agent), report, release the GPUs."""
+        log.info("stopping: %d job(s) to stop", len(self.runner.running))
         for exit_ in self.runner.stop_all(reason="agent shutting down"):
             self._record_exit(exit_)
         if self.identity is not None and self.state.outbox:
@@ -126,6 +140,10 @@ class Agent:
                             len(self.state.outbox), err)
         self.store.save_state(self.state)
         self.backend.close()
+        if self._wake_r >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     # -- one iteration -----------------------------------------------------------------------
     def step(self) -> float:
@@ -385,7 +403,8 @@ class Agent:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _queue(self, assignment_id: str, job_id: str, epoch: int, state: str, exit_code: int | None,
-               message: str, *, reason: str, pid: int | None = None) -> None:
+               message: str, *, reason: str, pid: int | None = None,
+               extra: dict[str, Any] | None = None) -> None:
         report: dict[str, Any] = {
             "assignment_id": assignment_id,
             "job_id": job_id,
@@ -398,6 +417,7 @@ class Agent:
         }
         if pid is not None:
             report["pid"] = pid
+        report.update(extra or {})
         self.state.queue_report(report)
         self.store.save_state(self.state)
 
@@ -426,8 +446,15 @@ class Agent:
             record.state = exit_.state
             record.pid = None
         log.info("assignment %s: %s", exit_.assignment_id, exit_.message)
+        failed_gpus: dict[str, list[str]] = {}
+        if exit_.state == "failed":
+            # A job that dies with its GPU (Xid 79, uncorrectable ECC) is not the user's fault: say so
+            # in the report itself, because the heartbeat carrying the GPU's health comes after it.
+            self._sample(self.clock())
+            failed_gpus = {str(r.index): list(r.health_reasons) for r in self.last_sample
+                           if r.index in exit_.gpu_indices and r.health is Health.FAILED}
         self._queue(exit_.assignment_id, exit_.job_id, exit_.epoch, exit_.state, exit_.exit_code, exit_.message,
-                    reason=exit_.reason)
+                    reason=exit_.reason, extra={"failed_gpus": failed_gpus} if failed_gpus else None)
         self.backend.note_busy_gpus(self.runner.busy_gpus())
 
     def _fence_orphans(self) -> None:
@@ -443,6 +470,14 @@ class Agent:
                         f"agent restarted while the job ran; {how} and its exit status is unknown",
                         reason="agent_crashed")
         self.store.save_state(self.state)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _int(value: Any) -> int:

@@ -36,7 +36,7 @@ class FakeBackend(NvmlBackend):
         self.spec = parse_spec(spec)
         # UUIDs are salted with the node name, so several simulated nodes on one machine (the
         # `local` provider) do not report the same GPU twice.
-        self.nvml = FakeNvml(self.spec, clock=clock, uuid_salt=hostname or host.hostname())
+        self.nvml = FakeNvml(self.spec, clock=clock, node_salt=hostname or host.hostname())
         super().__init__(self.nvml, backend_label=f"fake:{spec}")
         self._faults_file = faults_file
         self._faults_applied = 0

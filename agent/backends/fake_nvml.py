@@ -6,8 +6,9 @@ NotSupported on GPUs without MIG, retired pages are NotSupported on Ampere and n
 rows), HGX boards show NVSwitches at the far end of their links, and a GPU that fell off the bus
 raises GPU_IS_LOST from every call.
 
-Telemetry is a pure function of (seed, GPU, whole second of the injected clock, busy or not), so
-two runs with the same seed and clock give the same numbers.
+Telemetry is a pure function of (seed, node name, GPU, whole second of the injected clock, busy or
+not), so two runs with the same seed and clock give the same numbers, and two simulated nodes
+differ.
 """
 from __future__ import annotations
 
@@ -63,15 +64,15 @@ class FakeNvml:
     NVML_NVLINK_MAX_LINKS = NVML_NVLINK_MAX_LINKS
 
     def __init__(
-        self, spec: FakeNodeSpec, *, clock: Callable[[], float] = time.monotonic, uuid_salt: str = ""
+        self, spec: FakeNodeSpec, *, clock: Callable[[], float] = time.monotonic, node_salt: str = ""
     ) -> None:
         self.spec = spec
-        self._uuid_salt = uuid_salt
+        self._node_salt = node_salt
         self._clock = clock
         self._t0 = clock()
         self._lock = threading.Lock()  # faults may be injected from another thread (tests, fault file)
         self._initialized = 0
-        self.gpus = self._build_gpus(spec, uuid_salt)
+        self.gpus = self._build_gpus(spec, node_salt)
         for index, code in spec.xids:
             self.inject_xid(index, code)
         for index, count in spec.ecc:
@@ -81,7 +82,7 @@ class FakeNvml:
 
     # -- node shape ----------------------------------------------------------------------------
     @staticmethod
-    def _build_gpus(spec: FakeNodeSpec, uuid_salt: str) -> list[FakeGpu]:
+    def _build_gpus(spec: FakeNodeSpec, node_salt: str) -> list[FakeGpu]:
         total = len(spec.models)
         per_numa = -(-total // spec.numa_nodes)
         gpus: list[FakeGpu] = []
@@ -92,7 +93,7 @@ class FakeNvml:
                 FakeGpu(
                     index=index,
                     model=model,
-                    uuid="GPU-" + str(uuid_lib.uuid5(uuid_lib.NAMESPACE_OID, f"whalezen-fake:{uuid_salt}:{spec.seed}:{index}")),
+                    uuid="GPU-" + str(uuid_lib.uuid5(uuid_lib.NAMESPACE_OID, f"whalezen-fake:{node_salt}:{spec.seed}:{index}")),
                     pci_bus_id=f"{index // 30:08X}:{bus % 256:02X}:00.0",
                     numa_node=numa,
                     pcie_switch=index // 2,  # two GPUs per PCIe switch, as on DGX/HGX boards
@@ -158,7 +159,7 @@ class FakeNvml:
 
     def _noise(self, gpu: FakeGpu, channel: str) -> float:
         second = int(self._clock() - self._t0)
-        return random.Random(f"{self.spec.seed}:{gpu.index}:{second}:{channel}").random()
+        return random.Random(f"{self.spec.seed}:{self._node_salt}:{gpu.index}:{second}:{channel}").random()
 
     def _utilization(self, gpu: FakeGpu) -> int:
         if gpu.busy:

@@ -112,3 +112,11 @@ class StatusSerializer(serializers.Serializer):
     message = serializers.CharField(max_length=2000, required=False, allow_blank=True)
     pid = _nullable_int(min_value=0)
     job_id = serializers.CharField(max_length=32, required=False)
+    # GPU index -> health reasons, for a job that failed on a GPU the agent now sees as FAILED.
+    failed_gpus = serializers.DictField(child=serializers.ListField(child=serializers.CharField(max_length=500),
+                                                                    max_length=32), required=False)
+
+    def validate_failed_gpus(self, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        if len(value) > MAX_GPUS or not all(k.isdigit() and int(k) < MAX_GPUS for k in value):
+            raise serializers.ValidationError("Keys must be GPU indices.")
+        return value

@@ -232,9 +232,18 @@ def agent_report_status(*, node: Node, allocation_id: str, data: dict[str, Any])
                  message=f"{node.name}: {data.get('message') or state}",
                  data={"node": node.name, "allocation": allocation.pk, "state": state, "reason": reason,
                        "exit_code": data.get("exit_code"), "pid": data.get("pid")})
+    failed_gpus = {int(k): v for k, v in (data.get("failed_gpus") or {}).items()}
+    if failed_gpus:
+        # Do not wait for the next heartbeat: nothing new may be placed on these GPUs.
+        Gpu.objects.filter(node=node, index__in=list(failed_gpus)).update(health=GpuHealth.FAILED)
     if allocation.active:
-        _apply_report(job=job, allocation=allocation, state=state, reason=reason,
-                      message=data.get("message") or state, node=node)
+        if state == "failed" and failed_gpus:
+            reasons = "; ".join(f"GPU {i}: {', '.join(r) or 'FAILED'}" for i, r in sorted(failed_gpus.items()))
+            _requeue(job, reason_code="GPU_FAILED",
+                     message=f"{node.name}: the job died with its GPU ({reasons}); it restarts elsewhere.")
+        else:
+            _apply_report(job=job, allocation=allocation, state=state, reason=reason,
+                          message=data.get("message") or state, node=node)
     return report
 
 

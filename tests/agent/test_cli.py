@@ -93,3 +93,27 @@ def test_agent_process_joins_runs_a_job_and_stops_cleanly_on_sigterm(broker, tmp
     assert proc.returncode == 0
     assert "Traceback" not in err
     assert json.loads((state_dir / "identity.json").read_text())["node_id"] == "n1"
+
+
+STOP_WHILE_SPINNING = """
+import os, signal, sys, threading
+from pathlib import Path
+from agent.backends.fake import FakeBackend
+from agent.loop import Agent, AgentConfig
+
+agent = Agent(AgentConfig(server_url="http://127.0.0.1:9", join_token="t", name="n", state_dir=Path(sys.argv[1])),
+              FakeBackend("1xT4"))
+agent.step = lambda: 0.0  # wait between steps as often as possible: the signal lands mid-wait
+signal.signal(signal.SIGTERM, agent.request_stop)
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+sys.exit(agent.run())
+"""
+
+
+def test_sigterm_never_deadlocks_the_loop(tmp_path):
+    # A signal handler that takes a lock the interrupted code holds (threading.Event.set during
+    # Event.wait) deadlocks; this loop waits thousands of times a second to hit that window.
+    for attempt in range(5):
+        proc = subprocess.run([sys.executable, "-c", STOP_WHILE_SPINNING, str(tmp_path / str(attempt))],
+                              cwd=REPO, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr

@@ -124,15 +124,19 @@ def test_busy_gpu_uses_memory_power_and_heat(clock):
     assert busy.power_w > idle.power_w and busy.temperature_c > idle.temperature_c
 
 
+def numbers(reading) -> tuple:
+    return reading.utilization_pct, reading.memory_used_mb, reading.temperature_c, reading.power_w
+
+
 def test_telemetry_changes_over_time_and_is_deterministic(clock):
-    def series(spec: str) -> list[tuple]:
+    def series(spec: str, node: str = "node-a") -> list[tuple]:
         c = type(clock)()
-        backend = started(spec, clock=c)
+        backend = FakeBackend(spec, hostname=node, clock=c)
+        backend.start()
         backend.note_busy_gpus({0})
         out = []
         for _ in range(6):
-            r = backend.sample()[0]
-            out.append((r.utilization_pct, r.memory_used_mb, r.temperature_c, r.power_w))
+            out.append(numbers(backend.sample()[0]))
             c.advance(1.0)
         return out
 
@@ -140,6 +144,7 @@ def test_telemetry_changes_over_time_and_is_deterministic(clock):
     assert first == series("1xA100")
     assert len(set(first)) > 1
     assert first != series("1xA100,seed=3")
+    assert first != series("1xA100", node="node-b")  # simulated nodes do not move in lockstep
 
 
 def test_mig_enabled_gpu_reports_mode_and_no_whole_gpu_utilisation():

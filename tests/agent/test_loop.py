@@ -261,6 +261,28 @@ def test_running_job_is_listed_in_heartbeats_and_marks_its_gpus_busy(tmp_path, b
     agent.shutdown()
 
 
+def test_a_job_that_dies_with_its_gpu_says_so_in_its_exit_report(tmp_path, broker, clock):
+    broker.state.assignments = [start_assignment(command=jobscripts.SLEEPER)]
+    agent = make_agent(tmp_path, broker, clock)
+    agent.step()
+    job = agent.runner.running["a1"]
+    pump(agent, clock, lambda: (job.workdir / "ready").exists(), what="job ready")
+    agent.backend.fall_off_bus(3)
+    os.kill(job.pid, 9)  # the CUDA context died with the GPU
+    pump(agent, clock, lambda: "failed" in states(broker, "a1"), what="failure report")
+    failure = broker.statuses_for("a1")[-1]
+    assert failure["reason"] == "signal" and failure["exit_code"] == -9
+    assert list(failure["failed_gpus"]) == ["3"]
+    assert "fell off the bus" in failure["failed_gpus"]["3"][0]
+
+
+def test_an_ordinary_failure_names_no_gpu(tmp_path, broker, clock):
+    broker.state.assignments = [start_assignment(env={"EXIT_CODE": "2"})]
+    agent = make_agent(tmp_path, broker, clock)
+    pump(agent, clock, lambda: "failed" in states(broker, "a1"), what="failure report")
+    assert "failed_gpus" not in broker.statuses_for("a1")[-1]
+
+
 def test_an_assignment_is_never_started_twice(tmp_path, broker, clock):
     broker.state.assignments = [start_assignment()]
     agent = make_agent(tmp_path, broker, clock)

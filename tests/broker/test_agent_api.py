@@ -319,6 +319,20 @@ def test_refused_or_agent_crash_requeues_the_job(acme, registered):
     assert job2.state == JobState.PENDING and job2.pending_reason_code == "AGENT_RESTARTED"
 
 
+def test_failure_on_a_failed_gpu_requeues_instead_of_failing_the_job(acme, registered):
+    node, token = registered
+    job, allocation = place(acme, node)
+    report(token, allocation, "running", reason="started")
+    resp = report(token, allocation, "failed", reason="signal", exit_code=-9,
+                  failed_gpus={"3": ["GPU is lost (fell off the bus); needs a reset or a reboot"]})
+    assert resp.status_code == 200
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING and job.pending_reason_code == "GPU_FAILED"
+    assert "GPU 3: GPU is lost" in job.pending_reason
+    assert Gpu.objects.get(node=node, index=3).health == GpuHealth.FAILED
+    assert report(token, allocation, "failed", failed_gpus={"x": []}).status_code == 400
+
+
 def test_report_for_a_released_allocation_is_recorded_but_moves_nothing(acme, registered):
     node, token = registered
     job, allocation = place(acme, node)
