@@ -117,3 +117,14 @@ def test_sigterm_never_deadlocks_the_loop(tmp_path):
         proc = subprocess.run([sys.executable, "-c", STOP_WHILE_SPINNING, str(tmp_path / str(attempt))],
                               cwd=REPO, capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
+
+
+def test_the_agent_needs_neither_django_nor_requests():
+    code = (
+        "import sys, agent.cli, agent.loop, agent.backends.nvml, agent.backends.fake\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('django', 'rest_framework', 'requests', 'broker'))\n"
+        "print(heavy)\n"
+        "sys.exit(1 if heavy else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
