@@ -267,6 +267,11 @@ def _apply_report(*, job: Job, allocation: Allocation, state: str, reason: str, 
         # The broker did not take this allocation away (it is still active), yet the process ended:
         # the agent shut down or the node re-registered. The job goes back to the queue.
         _requeue(job, reason_code="AGENT_STOPPED_JOB", message=f"{node.name}: {message}.")
+    elif state == "refused" and reason == "invalid":
+        # The assignment itself is unusable (no command, bad env...): another node would refuse it
+        # too, so requeueing would only loop.
+        _advance(job, [JobState.FAILED], reason_code="ASSIGNMENT_INVALID",
+                 message=f"{node.name} cannot run this job: {message}.")
     elif state == "refused":
         _requeue(job, reason_code="ASSIGNMENT_REFUSED", message=f"{node.name} refused the job: {message}.")
 

@@ -319,6 +319,16 @@ def test_refused_or_agent_crash_requeues_the_job(acme, registered):
     assert job2.state == JobState.PENDING and job2.pending_reason_code == "AGENT_RESTARTED"
 
 
+def test_an_assignment_no_agent_can_run_fails_the_job_instead_of_looping(acme, registered):
+    node, token = registered
+    job, allocation = place(acme, node)
+    report(token, allocation, "refused", reason="invalid",
+           message="invalid assignment: command must be a non-empty argv list or shell string")
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED
+    assert job.events.filter(reason_code="ASSIGNMENT_INVALID").exists()
+
+
 def test_failure_on_a_failed_gpu_requeues_instead_of_failing_the_job(acme, registered):
     node, token = registered
     job, allocation = place(acme, node)
