@@ -94,7 +94,8 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from agent.loop import Agent, AgentConfig, RegistrationRefused, default_state_dir
+    from agent.loop import Agent, AgentConfig, RegistrationRefused
+    from agent.state import default_state_dir
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.name or hostname()

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent import AGENT_VERSION
 from agent.backends.base import GpuBackend
 from agent.backoff import Backoff
 from agent.client import BrokerAuthError, BrokerClient, BrokerRejected, BrokerUnavailable
@@ -487,12 +486,4 @@ def _int(value: Any) -> int:
         return 0
 
 
-def default_state_dir(name: str) -> Path:
-    if os.environ.get("WHALEZEN_AGENT_STATE_DIR"):
-        return Path(os.environ["WHALEZEN_AGENT_STATE_DIR"])
-    if os.geteuid() == 0:
-        return Path("/var/lib/whalezen-agent")
-    return Path.home() / ".local" / "state" / "whalezen-agent" / name
-
-
-__all__ = ["Agent", "AgentConfig", "RegistrationRefused", "default_state_dir", "AGENT_VERSION"]
+__all__ = ["Agent", "AgentConfig", "RegistrationRefused"]

@@ -141,3 +141,12 @@ def _write_json(path: Path, data: Any, *, mode: int) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def default_state_dir(name: str) -> Path:
+    """$WHALEZEN_AGENT_STATE_DIR, else /var/lib/whalezen-agent for root, else a per-user folder."""
+    if os.environ.get("WHALEZEN_AGENT_STATE_DIR"):
+        return Path(os.environ["WHALEZEN_AGENT_STATE_DIR"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/whalezen-agent")
+    return Path.home() / ".local" / "state" / "whalezen-agent" / name
