@@ -189,10 +189,9 @@ class Book:
         return tuple(result)
 
     def _target_of_launch(self, identifier: str) -> int:
-        for index, target in enumerate(self.problem.targets):
-            if target.kind == "offer" and launch_id(target) == identifier:
-                return index
-        raise KeyError(identifier)
+        if not hasattr(self, "_launch_targets"):
+            self._launch_targets = {launch_id(t): i for i, t in enumerate(self.problem.targets) if t.kind == "offer"}
+        return self._launch_targets[identifier]
 
     def compact_instances(self) -> None:
         """Renumber instances so a launch's used instances are 0..n-1 (empty ones are dropped)."""

@@ -7,7 +7,7 @@ GPU chosen by one is never chosen again by another) and reads the chosen indices
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduling.model import WHOLE_GPU_MILLI, NodeState, SCHEDULABLE_NODE_STATES
 
@@ -23,10 +23,11 @@ class PartDemand:
     cpu_milli: int
     memory_mb: int
     allowed_models: tuple[str, ...]
+    # Set from gpus and milli (a plain field, not a property: it is read on every placement).
+    fractional: bool = field(init=False, default=False)
 
-    @property
-    def fractional(self) -> bool:
-        return self.gpus > 0 and self.milli < WHOLE_GPU_MILLI
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fractional", self.gpus > 0 and self.milli < WHOLE_GPU_MILLI)
 
 
 class NodeCapacity:
@@ -43,7 +44,7 @@ class NodeCapacity:
         self.schedulable = node.state in SCHEDULABLE_NODE_STATES
 
     def whole_free(self) -> int:
-        return sum(1 for m in self.free_milli if m >= WHOLE_GPU_MILLI)
+        return self.free_milli.count(WHOLE_GPU_MILLI)  # free milli never exceeds a whole GPU
 
     def shape_key(self) -> tuple:
         """Nodes with equal keys are interchangeable for every filter, cost and packing choice."""

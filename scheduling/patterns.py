@@ -124,3 +124,80 @@ def enumerate_patterns(cap: NodeCapacity, item_types: list[ItemType],
 
     extend(0)
     return patterns
+
+
+# ----------------------------------------------------------------------- whole-instance patterns
+
+MAX_INSTANCE_PATTERNS = 1500
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePattern:
+    """What one launched instance holds: (class index, jobs) pairs, and the GPUs they occupy."""
+
+    jobs: tuple[tuple[int, int], ...]
+    gpus_busy: int  # gang GPUs plus GPUs opened for shares (first-fit decreasing)
+
+    def count(self, class_index: int) -> int:
+        for c, n in self.jobs:
+            if c == class_index:
+                return n
+        return 0
+
+
+def _shares_fit(shares: list[int], gpus: int) -> int | None:
+    """GPUs first-fit decreasing needs for these shares, or None when more than `gpus`."""
+    bins: list[int] = []
+    for share in sorted(shares, reverse=True):
+        for i, room in enumerate(bins):
+            if room >= share:
+                bins[i] -= share
+                break
+        else:
+            if len(bins) == gpus:
+                return None
+            bins.append(WHOLE_GPU_MILLI - share)
+    return len(bins)
+
+
+def enumerate_instance_patterns(cap: NodeCapacity, parts: dict, sizes: dict[int, int]) -> list[InstancePattern] | None:
+    """Every non-empty job mix one fresh instance like `cap` can hold (per class: the part and
+    how many members exist), or None when there would be more than MAX_INSTANCE_PATTERNS.
+
+    Pooled capacity over-promised small instances (22 jobs on 16 one-GPU instances that held 19),
+    so small offers get exact per-instance mixes: GPU gangs, shares packed per GPU, CPU, memory.
+    """
+    gpus = len(cap.node.gpus)
+    classes = sorted(parts)
+    patterns: list[InstancePattern] = []
+    chosen: list[int] = []
+
+    def state_fits() -> int | None:
+        gang = sum(parts[c].gpus for c in chosen if not parts[c].fractional)
+        if gang > gpus:
+            return None
+        if sum(parts[c].cpu_milli for c in chosen) > cap.free_cpu or sum(parts[c].memory_mb for c in chosen) > cap.free_mem:
+            return None
+        shares = [parts[c].milli for c in chosen if parts[c].fractional]
+        opened = _shares_fit(shares, gpus - gang) if shares else 0
+        return None if opened is None else gang + opened
+
+    def extend(start: int) -> bool:
+        for index in range(start, len(classes)):
+            c = classes[index]
+            if chosen.count(c) >= sizes[c]:
+                continue
+            chosen.append(c)
+            busy = state_fits()
+            if busy is not None:
+                counts: dict[int, int] = {}
+                for member in chosen:
+                    counts[member] = counts.get(member, 0) + 1
+                patterns.append(InstancePattern(tuple(sorted(counts.items())), busy))
+                if len(patterns) > MAX_INSTANCE_PATTERNS or not extend(index):
+                    chosen.pop()
+                    return False
+            chosen.pop()
+        return True
+
+    return patterns if extend(0) else None

@@ -123,12 +123,13 @@ def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapac
 
     members: dict[tuple, list[JobDemand]] = {}
     ordered_jobs = sorted(snapshot.pending, key=lambda j: (j.submitted_at, j.job_id))
-    for job in ordered_jobs:
-        members.setdefault(_class_key(job) + (job.expected_duration_hours,), []).append(job)
+    keys = [_class_key(job) for job in ordered_jobs]
+    for job, key in zip(ordered_jobs, keys):
+        members.setdefault(key + (job.expected_duration_hours,), []).append(job)
     if len(members) > MERGE_DURATIONS_ABOVE:
         members = {}
-        for job in ordered_jobs:
-            members.setdefault(_class_key(job), []).append(job)
+        for job, key in zip(ordered_jobs, keys):
+            members.setdefault(key, []).append(job)
     ranks = {p: r for r, p in enumerate(sorted({job.priority for job in snapshot.pending}))}
 
     classes: list[DemandClass] = []
