@@ -20,7 +20,7 @@ class TenantScopedMixin:
         return ctx
 
     def scope(self, queryset: QuerySet) -> QuerySet:
-        return queryset.filter(**{self.tenant_field: self.ctx.tenant})
+        return queryset  # MUTANT
 
     def get_queryset(self) -> QuerySet:
         if getattr(self, "swagger_fake_view", False):  # schema generation has no tenant

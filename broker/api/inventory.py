@@ -8,6 +8,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from broker.api.base import TenantReadOnlyViewSet
+from broker.api.schema import WhaleZenAutoSchema
 from broker.inventory.models import Gpu, GpuModel, Node, Pool
 from broker.jobs.selectors import tenant_gpu_usage
 from broker.tenancy.models import Quota
@@ -26,6 +27,7 @@ class GpuModelViewSet(viewsets.ReadOnlyModelViewSet):
 
     queryset = GpuModel.objects.all()
     serializer_class = GpuModelSerializer
+    schema = WhaleZenAutoSchema()
 
 
 class PoolSerializer(serializers.ModelSerializer):
@@ -39,6 +41,7 @@ class PoolSerializer(serializers.ModelSerializer):
 class PoolViewSet(TenantReadOnlyViewSet):
     queryset = Pool.objects.all()
     serializer_class = PoolSerializer
+    schema = WhaleZenAutoSchema()
 
 
 class GpuSerializer(serializers.ModelSerializer):
@@ -70,6 +73,7 @@ class NodeViewSet(TenantReadOnlyViewSet):
     queryset = Node.objects.select_related("pool").prefetch_related("gpus__slices")
     serializer_class = NodeSerializer
     filterset_fields = ["state", "pool"]
+    schema = WhaleZenAutoSchema()
 
 
 class QuotaSerializer(serializers.Serializer):
@@ -82,6 +86,8 @@ class QuotaSerializer(serializers.Serializer):
 
 
 class QuotaView(APIView):
+    schema = WhaleZenAutoSchema()
+
     @extend_schema(responses={200: QuotaSerializer})
     def get(self, request: Request) -> Response:
         tenant = tenant_context(request).tenant

@@ -1,7 +1,11 @@
 """/api/v1/jobs/: submit, list, show, events, cancel."""
 from __future__ import annotations
 
+from datetime import timezone as dt_timezone
+
 import django_filters
+from django import forms
+from django_filters.fields import IsoDateTimeField
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -9,6 +13,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from broker.api.base import TenantScopedMixin
+from broker.api.schema import CONFLICT, THROTTLED, WhaleZenAutoSchema
 from broker.api.throttles import JobSubmitThrottle
 from broker.jobs import selectors, services
 from broker.jobs.models import Job, JobEvent
@@ -71,14 +76,31 @@ class JobEventSerializer(serializers.ModelSerializer):
         fields = ["id", "created_at", "kind", "reason_code", "message", "data"]
 
 
+class UtcIsoDateTimeField(IsoDateTimeField):
+    """An ISO 8601 time that must exist in UTC: `9999-12-31T23:59:59-14:00` is a 400, not a database error."""
+
+    def clean(self, value):
+        value = super().clean(value)
+        if value is not None:
+            try:
+                value = value.astimezone(dt_timezone.utc)
+            except OverflowError:
+                raise forms.ValidationError("Out of range once converted to UTC.", code="invalid") from None
+        return value
+
+
+class UtcIsoDateTimeFilter(django_filters.IsoDateTimeFilter):
+    field_class = UtcIsoDateTimeField
+
+
 class JobFilter(django_filters.FilterSet):
     state = django_filters.MultipleChoiceFilter(choices=JobState.choices)
     name = django_filters.CharFilter(lookup_expr="icontains")
     priority = django_filters.NumberFilter()
     priority_min = django_filters.NumberFilter(field_name="priority", lookup_expr="gte")
     priority_max = django_filters.NumberFilter(field_name="priority", lookup_expr="lte")
-    created_after = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    created_before = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    created_after = UtcIsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = UtcIsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
 
     class Meta:
         model = Job
@@ -105,13 +127,14 @@ class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMix
                                                                      "allocations__node")
     serializer_class = JobSerializer
     filterset_class = JobFilter
+    schema = WhaleZenAutoSchema()
 
     def get_throttles(self):
         if self.action == "create":
             return [JobSubmitThrottle()]
         return super().get_throttles()
 
-    @extend_schema(request=JobSpecSerializer, responses={201: JobSerializer},
+    @extend_schema(request=JobSpecSerializer, responses={201: JobSerializer, 429: THROTTLED},
                    examples=[OpenApiExample("4 x A100 on NVLink", value=EXAMPLE_SPEC, request_only=True)],
                    description="Submit a job spec (JSON, or YAML with Content-Type: application/yaml).")
     def create(self, request: Request, *args, **kwargs) -> Response:
@@ -121,14 +144,14 @@ class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMix
         job = self.get_queryset().get(pk=job.pk)
         return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=None, responses={200: JobEventSerializer(many=True)})
+    @extend_schema(request=None, responses={200: JobEventSerializer(many=True)}, filters=False)
     @action(detail=True, methods=["get"])
     def events(self, request: Request, pk: str | None = None) -> Response:
         job = self.get_object()
         page = self.paginate_queryset(JobEvent.objects.filter(job=job).order_by("created_at", "id"))
         return self.get_paginated_response(JobEventSerializer(page, many=True).data)
 
-    @extend_schema(request=None, responses={200: JobSerializer})
+    @extend_schema(request=None, responses={200: JobSerializer, 409: CONFLICT})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         job = self.get_object()

@@ -11,6 +11,7 @@ from rest_framework.response import Response
 
 from broker.api.base import TenantScopedMixin
 from broker.api.fields import StrictCharField, StrictIntegerField, StrictSerializer
+from broker.api.schema import WhaleZenAutoSchema
 from broker.tenancy import services
 from broker.tenancy.models import ApiToken, TokenScope
 from django.utils import timezone
@@ -47,6 +48,7 @@ class TokenViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMode
 
     queryset = ApiToken.objects.select_related("user").order_by("-created_at")
     serializer_class = TokenSerializer
+    schema = WhaleZenAutoSchema()
 
     def scope(self, queryset):
         queryset = super().scope(queryset)

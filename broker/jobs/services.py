@@ -255,3 +255,26 @@ def _release_allocations(*, job: Job) -> int:
     node_ids = Allocation.objects.filter(pk__in=alloc_ids).values_list("node_id", flat=True)
     Node.objects.filter(pk__in=list(node_ids)).update(epoch=F("epoch") + 1)
     return len(alloc_ids)
+
+
+def job_requeue(*, job: Job, reason_code: str, message: str) -> bool:
+    """Back to PENDING (which releases its GPUs); a CHECKPOINTING job goes through PREEMPTED.
+
+    False when the job has already finished or was cancelled meanwhile.
+    """
+    for _ in range(3):
+        try:
+            if job.state == JobState.CHECKPOINTING:
+                job = job_transition(job=job, to=JobState.PREEMPTED, reason_code=reason_code, message=message)
+            return bool(job_transition(job=job, to=JobState.PENDING, reason_code=reason_code, message=message))
+        except StaleState:
+            job.refresh_from_db()
+        except IllegalTransition:
+            return False
+    return False
+
+
+def jobs_requeue_on_node(*, node_id: int, reason_code: str, message: str) -> list[int]:
+    """Requeue every job holding GPUs on a node that is gone (lost, terminated, taken over)."""
+    jobs = Job.objects.filter(allocations__node_id=node_id, allocations__active=True).distinct()
+    return [job.pk for job in jobs if job_requeue(job=job, reason_code=reason_code, message=message)]

@@ -28,6 +28,8 @@ PRIORITY_NAMES: dict[str, int] = {"low": 10, "normal": 50, "high": 100, "critica
 MAX_PRIORITY = 1000
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 256
+MAX_CPU_PER_NODE = 4096  # cores
+MAX_MEMORY_GB_PER_NODE = 65536
 PROVIDERS = ("onprem", "aws", "gcp", "local")
 RESERVED_ENV_PREFIX = "WHALEZEN_"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -169,12 +171,17 @@ class KubernetesLimitsField(serializers.Field):
             if not match:
                 raise serializers.ValidationError('cpu must look like "8", "0.5" or "500m".')
             value = float(match.group(1))
+            if (value / 1000 if match.group(2) else value) > MAX_CPU_PER_NODE:
+                raise serializers.ValidationError(f"cpu must be at most {MAX_CPU_PER_NODE} cores.")
             out["cpu_milli"] = int(value if match.group(2) else value * 1000)
         if "memory" in data:
             match = _K8S_MEM_RE.match(str(data["memory"])) if not isinstance(data["memory"], bool) else None
             if not match:
                 raise serializers.ValidationError('memory must look like "32Gi", "512Mi" or "64G".')
-            out["memory_mb"] = math.ceil(float(match.group(1)) * _K8S_MEM_MB[match.group(2)])
+            memory_mb = float(match.group(1)) * _K8S_MEM_MB[match.group(2)]
+            if memory_mb > MAX_MEMORY_GB_PER_NODE * 1024:
+                raise serializers.ValidationError(f"memory must be at most {MAX_MEMORY_GB_PER_NODE}Gi.")
+            out["memory_mb"] = math.ceil(memory_mb)
         return ParsedLimits(out, raw=dict(data))
 
     def to_representation(self, value: Any) -> Any:
@@ -193,8 +200,9 @@ class ResourcesSerializer(StrictSerializer):
                                      help_text="Abstract capacity (A100 = 1.0); the broker picks the GPUs.")
     interconnect = serializers.ChoiceField(choices=["any", "pcie", "nvlink"], required=False)
     nodes = StrictIntegerField(required=False, min_value=1, max_value=MAX_NODES)
-    cpu = StrictFloatField(required=False, min_value=0.001, max_value=4096, help_text="CPU cores per node.")
-    memory_gb = StrictFloatField(required=False, min_value=0.001, max_value=65536, help_text="Per node.")
+    cpu = StrictFloatField(required=False, min_value=0.001, max_value=MAX_CPU_PER_NODE, help_text="CPU cores per node.")
+    memory_gb = StrictFloatField(required=False, min_value=0.001, max_value=MAX_MEMORY_GB_PER_NODE,
+                                 help_text="Per node.")
     accelerators = AcceleratorsField(required=False, help_text='SkyPilot spelling, e.g. "A100-80GB:4".')
     limits = KubernetesLimitsField(required=False, help_text='Kubernetes spelling, e.g. {"nvidia.com/gpu": 2}.')
 

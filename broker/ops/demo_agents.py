@@ -66,3 +66,20 @@ def start_demo_agents(*, server_url: str) -> list[tuple[LocalProvider, InstanceR
                 agent_join_token=join_token, node_name=node.name))
             started.append((provider, info.ref))
     return started
+
+
+def stop_simulated_cloud(*, log) -> int:
+    """Terminate the `local` pools' simulated instances: on a laptop they are processes that should
+    not outlive the service (a real cloud's instances are left to the reconciler instead)."""
+    from broker.inventory.models import CloudInstance, InstanceState
+    from broker.provisioning.services import instance_terminate
+
+    stopped = 0
+    live = (InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING, InstanceState.TERMINATING)
+    for instance in CloudInstance.objects.filter(pool__kind=PoolKind.LOCAL, state__in=live).select_related("pool"):
+        try:
+            instance_terminate(instance=instance, reason="service stopped")
+            stopped += 1
+        except Exception as exc:  # keep stopping the others
+            log(f"stopping simulated instance {instance.node_name}: {exc}")
+    return stopped

@@ -9,10 +9,10 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from broker.inventory.models import CloudInstance, InstanceState, Pool
+from broker.inventory.models import CloudInstance, InstanceState, Node, NodeState, Pool
 from broker.jobs.models import Job
-from broker.jobs.services import JobError, job_transition
-from broker.jobs.states import ACTIVE_STATES, JobState
+from broker.jobs.services import job_requeue, jobs_requeue_on_node
+from broker.jobs.states import ACTIVE_STATES
 from broker.provisioning.factory import provider_for_pool
 from broker.provisioning.offers import CLOUD_KINDS
 from providers.base import Provider
@@ -84,18 +84,13 @@ def _instance_lost(pool: Pool, request_key: str, why: str) -> None:
         return
     CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATED, terminated_at=timezone.now(),
                                                         last_error=f"lost: {why or 'terminated by the provider'}")
-    job_ids = {p["job_id"] for p in instance.placements}
+    message = (f"Instance {instance.node_name} was terminated by the provider ({why or 'no reason given'}); "
+               "re-queued.")
+    for job in Job.objects.filter(pk__in=[p["job_id"] for p in instance.placements], state__in=ACTIVE_STATES):
+        job_requeue(job=job, reason_code="INSTANCE_LOST", message=message)
     if instance.node_id:
-        job_ids |= set(Job.objects.filter(allocations__node_id=instance.node_id, allocations__active=True)
-                       .values_list("pk", flat=True))
-        instance.node.__class__.objects.filter(pk=instance.node_id).update(state="LOST")
-    for job in Job.objects.filter(pk__in=job_ids, state__in=ACTIVE_STATES):
-        try:
-            job_transition(job=job, to=JobState.PENDING, reason_code="INSTANCE_LOST",
-                           message=f"Instance {instance.node_name} was terminated by the provider "
-                                   f"({why or 'no reason given'}); re-queued.")
-        except JobError as exc:
-            log.info("job %s not re-queued: %s", job.pk, exc)
+        Node.objects.filter(pk=instance.node_id).update(state=NodeState.LOST)
+        jobs_requeue_on_node(node_id=instance.node_id, reason_code="INSTANCE_LOST", message=message)
 
 
 def all_cloud_pools() -> list[Pool]:

@@ -18,9 +18,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from broker.inventory.models import CloudInstance, InstanceState, Node, OfferBlock
+from broker.inventory.models import CloudInstance, InstanceState, Node, NodeState, OfferBlock
 from broker.jobs.models import Job
-from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_transition
+from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_transition, jobs_requeue_on_node
 from broker.jobs.states import ACTIVE_STATES, JobState
 from broker.provisioning.factory import provider_for_pool
 from broker.provisioning.offers import OfferRef
@@ -190,7 +190,9 @@ def instance_terminate(*, instance: CloudInstance, reason: str) -> CloudInstance
         CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATED,
                                                             terminated_at=timezone.now())
         if instance.node_id:
-            Node.objects.filter(pk=instance.node_id).update(state="OFFLINE")
+            Node.objects.filter(pk=instance.node_id).update(state=NodeState.OFFLINE)
+            jobs_requeue_on_node(node_id=instance.node_id, reason_code="INSTANCE_TERMINATED",
+                                 message=f"Instance {instance.node_name} was terminated ({reason}); re-queued.")
     instance.refresh_from_db()
     return instance
 

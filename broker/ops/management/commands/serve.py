@@ -15,7 +15,7 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from broker.ops.demo_agents import start_demo_agents
+from broker.ops.demo_agents import start_demo_agents, stop_simulated_cloud
 
 
 class Command(BaseCommand):
@@ -35,6 +35,8 @@ class Command(BaseCommand):
         log_dir.mkdir(parents=True, exist_ok=True)
         children: list[subprocess.Popen] = []
         agents = []
+        # `kill`/systemd send SIGTERM: stop everything as for Ctrl-C.
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         try:
             web = subprocess.Popen([sys.executable, "manage.py", "runserver", f"{host}:{port}", "--noreload"],
                                    env=env)
@@ -57,6 +59,7 @@ class Command(BaseCommand):
         except KeyboardInterrupt:
             pass
         finally:
+            stop_simulated_cloud(log=self.stderr.write)
             for provider, ref in agents:
                 try:
                     provider.terminate(ref)
