@@ -20,7 +20,7 @@ class TenantScopedMixin:
         return ctx
 
     def scope(self, queryset: QuerySet) -> QuerySet:
-        return queryset  # MUTANT
+        return queryset.filter(**{self.tenant_field: self.ctx.tenant})
 
     def get_queryset(self) -> QuerySet:
         if getattr(self, "swagger_fake_view", False):  # schema generation has no tenant
