@@ -91,3 +91,22 @@ def test_job_list_filters(acme):
     page = acme.client.get("/api/v1/jobs/?page_size=1").json()
     assert page["count"] == 2 and len(page["results"]) == 1 and page["next"]
     assert acme.client.get("/api/v1/jobs/?state=NOPE").status_code == 400
+
+
+def test_issue_join_token_command(acme):
+    from django.core.management.base import CommandError
+
+    from broker.inventory.models import Pool
+    from broker.tenancy import tokens
+
+    out = io.StringIO()
+    call_command("issue_join_token", "--tenant", "acme", "--pool", "onprem", stdout=out)
+    secret = out.getvalue().strip()
+    pool = Pool.objects.get(tenant=acme.tenant, name="onprem")
+    assert tokens.matches(secret, pool.join_token_hash) and secret not in pool.join_token_hash
+    import pytest
+
+    with pytest.raises(CommandError, match="no pool"):
+        call_command("issue_join_token", "--tenant", "acme", "--pool", "nope", stdout=io.StringIO())
+    call_command("issue_join_token", "--tenant", "acme", "--pool", "rack2", "--create", stdout=io.StringIO())
+    assert Pool.objects.filter(tenant=acme.tenant, name="rack2", kind="onprem").exists()
