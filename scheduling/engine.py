@@ -24,6 +24,11 @@ from scheduling.problem import Problem, build_problem
 
 # Share of the cycle's time limit the MILP may use (LP, phase two, full model).
 MILP_SHARE = 0.5
+# Pending reasons that freeing capacity (preemption, defragmentation) can cure.
+CAPACITY_CODES = frozenset({
+    ReasonCode.INSUFFICIENT_GPUS, ReasonCode.NO_NVLINK_ISLAND, ReasonCode.INSUFFICIENT_CPU_MEMORY,
+    ReasonCode.INSUFFICIENT_GPU_MEMORY, ReasonCode.OUTRANKED, ReasonCode.CAPACITY_TAKEN,
+})
 
 
 def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
@@ -39,9 +44,13 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
 
     preemptions = ()
     migrations = ()
-    if policy.preemption and pending:
+    # Only jobs held back by capacity: not by quota, budget, price, policy or an invalid demand,
+    # and not those for which waiting is cheaper than any fit.
+    blocked = [job_id for job_id in pending if reasons[job_id].code in CAPACITY_CODES
+               and not reasons[job_id].data.get("waiting_cheaper")]
+    if policy.preemption and blocked:
         from scheduling.preemption import plan_preemptions
-        preemptions = plan_preemptions(problem, book, pending)
+        preemptions = plan_preemptions(problem, book, blocked)
         for preemption in preemptions:
             reason = reasons.get(preemption.for_job_id)
             if reason is not None and reason.code != ReasonCode.WAITING_FOR_PREEMPTION:
@@ -54,9 +63,9 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
                     f"before: {reason.message}",
                     {"victims": victims, "node_id": preemption.node_id, "lost_work_s": lost,
                      "previous": reason.code.value})
-    if policy.defragmentation and pending:
+    if policy.defragmentation and blocked:
         from scheduling.defrag import plan_defragmentation
-        waiting = [j for j in pending if reasons[j].code != ReasonCode.WAITING_FOR_PREEMPTION]
+        waiting = [j for j in blocked if reasons[j].code != ReasonCode.WAITING_FOR_PREEMPTION]
         migrations = plan_defragmentation(problem, book, waiting)
         for migration in migrations:
             job_id = migration.for_job_id

@@ -135,6 +135,7 @@ def _lost_reason(problem: Problem, book: Book, job: JobDemand, demand_class: Dem
                       f"OUTRANKED: {where} fit at the start of the cycle, but jobs of priority up to "
                       f"{top_placed_priority} (this job: {job.priority}) took the capacity", data)
     if cheapest > demand_class.waiting_cost:
+        data["waiting_cheaper"] = True
         return Reason(ReasonCode.CAPACITY_TAKEN,
                       f"CAPACITY_TAKEN: the cheapest fit costs ${cheapest:,.2f}, more than the policy's waiting "
                       f"cost ${demand_class.waiting_cost:,.2f}; it waits for cheaper capacity", data)

@@ -37,10 +37,17 @@ def place_greedily(problem: Problem, book: Book, job_ids: list[str]) -> list[str
         class_index = problem.class_of[job_id]
         if class_index not in ordered_candidates:
             ordered_candidates[class_index] = candidate_order(problem, problem.classes[class_index].candidates)
+        waiting_cost = problem.classes[class_index].waiting_cost
         for candidate in ordered_candidates[class_index]:
             if (class_index, candidate.target) in exhausted:
                 continue
-            if not book.admits(job, problem.targets[candidate.target]):
+            # The objective's own trade-off: a job whose run here costs more than leaving it
+            # waiting this cycle stays pending (explained as CAPACITY_TAKEN), as in the MILP.
+            target = problem.targets[candidate.target]
+            if problem.weights["money"] * candidate.hourly * problem.pricing.runtime_hours(job, target.gpu_model) \
+                    > waiting_cost:
+                continue
+            if not book.admits(job, target):
                 continue
             if book.place_job(job, candidate.target, candidate.part) is not None:
                 break

@@ -1,0 +1,99 @@
+"""Smaller pieces: GPU choice, packing cuts, instance mixes, gangs, shares, CU quotas, LP rounding."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import scheduling.milp as milp
+from engine_factories import FAST, budget, gpu_node, job, offer, snapshot
+from scheduling.capacity import NodeCapacity, PartDemand
+from scheduling.engine import schedule
+from scheduling.model import Policy, ReasonCode
+from scheduling.patterns import enumerate_instance_patterns
+from scheduling.validate import plan_violations
+
+
+def part(gpus=1, milli=1000, nvlink=False, cpu=0, mem=0, models=()):
+    return PartDemand(gpus=gpus, milli=milli, min_gpu_memory_mb=0, nvlink=nvlink, cpu_milli=cpu, memory_mb=mem,
+                      allowed_models=models)
+
+
+def test_gpu_choice_prefers_the_tightest_island_and_the_fullest_shared_gpu():
+    cap = NodeCapacity(gpu_node("n", gpus=8, island_size=4, used={0: 1000}))
+    assert cap.choose(part(gpus=2, nvlink=True)) == (1, 2)  # the island with 3 free, not the one with 4
+    assert cap.choose(part(gpus=4, nvlink=True)) == (4, 5, 6, 7)
+    assert cap.choose(part(gpus=5, nvlink=True)) is None
+    assert cap.choose(part(gpus=5)) == (1, 2, 3, 4, 5)  # spread only when no island holds it
+    shared = NodeCapacity(gpu_node("s", gpus=3, island_size=1, used={0: 300, 1: 600}))
+    assert shared.choose(part(milli=400)) == (1,)  # 400 free beats 700 free and a whole GPU
+    assert NodeCapacity(gpu_node("u", gpus=2, unhealthy=(0,), used={1: 1000})).choose(part()) is None
+
+
+def test_dual_feasible_functions_are_superadditive():
+    shares = [i / 20 for i in range(1, 20)]
+    for k in (1, 2, 3, 4):
+        assert milp._dff(1.0, k) == pytest.approx(1.0)
+        for a, b in itertools.product(shares, shares):
+            if a + b <= 1.0 + 1e-9:
+                assert milp._dff(a, k) + milp._dff(b, k) <= milp._dff(min(1.0, a + b), k) + 1e-9
+
+
+def test_instance_mixes_respect_gpus_cpu_and_memory():
+    cap = NodeCapacity(gpu_node("i", gpus=1, cpu_milli=16000, memory=64 * 1024))
+    parts = {0: part(milli=600, cpu=4000, mem=40 * 1024), 1: part(milli=300, cpu=4000, mem=10 * 1024),
+             2: part(cpu=15000)}
+    mixes = enumerate_instance_patterns(cap, parts, {0: 3, 1: 3, 2: 1})
+    jobs = {mix.jobs for mix in mixes}
+    assert ((0, 1), (1, 1)) in jobs  # 0.6 + 0.3 on one GPU
+    assert ((0, 2),) not in jobs  # 1.2 GPUs
+    assert ((1, 3),) in jobs and ((1, 4),) not in jobs  # only 3 members exist
+    assert ((0, 1), (2, 1)) not in jobs  # gang takes the only GPU (and the CPU)
+
+
+def test_multi_node_gang_on_fast_fabric_nodes():
+    nodes = [gpu_node(f"ib{i}", fast_fabric=True) for i in range(2)] + [gpu_node("eth", fast_fabric=False)]
+    snap = snapshot(nodes, [job("ddp", gpus=16, nodes=2, interconnect="nvlink")])
+    plan = schedule(snap, FAST)
+    placement = plan.placement_for("ddp")
+    assert {p.node_id for p in placement.parts} == {"ib0", "ib1"}
+    assert all(len(p.gpu_indices) == 8 for p in placement.parts)
+    assert plan_violations(snap, plan) == []
+
+
+def test_shares_pack_onto_one_gpu():
+    snap = snapshot([gpu_node("n", gpus=2, island_size=1)], [job(f"s{i}", gpu_milli=500) for i in range(4)])
+    plan = schedule(snap, FAST)
+    used = sorted((p.node_id, p.gpu_indices) for p in plan.placements)
+    assert used == [("n", (0,)), ("n", (0,)), ("n", (1,)), ("n", (1,))]
+    assert plan_violations(snap, plan) == []
+
+
+def test_cu_quota_counts_ratings():
+    # 2 H100 = 4 CU; the tenant has 3 CU left, so only one H100 job fits.
+    snap = snapshot([gpu_node("h", model="H100", memory_mb=80 * 1024)],
+                    [job("a", gpus=1, submitted_at=1), job("b", gpus=1, submitted_at=2)],
+                    tenants=[budget(cu_quota=3.0)])
+    plan = schedule(snap, FAST)
+    assert [p.job_id for p in plan.placements] == ["a"]
+    assert plan.pending["b"].code == ReasonCode.QUOTA_EXCEEDED
+
+
+def test_lp_rounding_path_gives_a_valid_plan(monkeypatch):
+    monkeypatch.setattr(milp, "PHASE_TWO_MAX_VARIABLES", 0)
+    nodes = [gpu_node(f"n{i}", gpus=4) for i in range(3)]
+    pending = [job(f"j{k}", gpus=[1, 2, 3][k % 3], submitted_at=k) for k in range(8)]
+    snap = snapshot(nodes, pending, [offer("o", gpus=4, launchable=1)])
+    plan = schedule(snap, Policy(method="milp", preemption=False, defragmentation=False))
+    assert plan.solver.method == "milp" and "LP rounded down" in plan.solver.status
+    assert not plan.solver.proven_optimal
+    assert plan_violations(snap, plan) == []
+    assert len(plan.placements) == 8
+
+
+def test_waiting_is_cheaper_than_an_expensive_launch():
+    weights_snap = snapshot([], [job("j", expected_duration_hours=100.0)], [offer("o", gpus=1, price=50.0)])
+    plan = schedule(weights_snap, FAST)
+    assert plan.pending["j"].code == ReasonCode.CAPACITY_TAKEN
+    assert "waiting cost" in plan.pending["j"].message
