@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from scheduling.book import Book
 from scheduling.greedy import place_greedily
-from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, RunningAllocation
+from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, Policy, RunningAllocation, Snapshot
 from scheduling.problem import Problem, build_problem
 from scheduling.whatif import could_ever_fit, minimal_victims, release, running_by_node
 
@@ -116,3 +116,11 @@ def _target_of(problem: Problem, book: Book, job_id: str) -> int:
         if target.kind == "node" and any(problem.capacities[m].node.id == node_id for m in target.members):
             return index
     raise KeyError(job_id)
+
+
+def defragmentation_for(snapshot: Snapshot, policy: Policy | None = None,
+                        job_ids: list[str] | None = None) -> tuple[Migration, ...]:
+    """The defragmentation plan alone, on a snapshot as it is (nothing placed first)."""
+    problem = build_problem(snapshot, policy or Policy())
+    pending = job_ids if job_ids is not None else [job.job_id for job in snapshot.pending]
+    return plan_defragmentation(problem, Book(problem), pending)

@@ -12,8 +12,8 @@ preempted for (a gang would need victims on several nodes at once).
 from __future__ import annotations
 
 from scheduling.book import Book
-from scheduling.model import Preemption
-from scheduling.problem import Problem
+from scheduling.model import Policy, Preemption, Snapshot
+from scheduling.problem import Problem, build_problem
 from scheduling.whatif import could_ever_fit, minimal_victims, release, running_by_node
 
 # Pending jobs considered per cycle (highest priority, then oldest): bounds the what-if work.
@@ -57,3 +57,11 @@ def plan_preemptions(problem: Problem, book: Book, pending: list[str]) -> tuple[
         cap.take(positions, part)  # reserved for the job once its victims have stopped
         book.refresh_node(position)
     return tuple(plan)
+
+
+def preemptions_for(snapshot: Snapshot, policy: Policy | None = None,
+                    job_ids: list[str] | None = None) -> tuple[Preemption, ...]:
+    """The preemption plan alone, on a snapshot as it is (nothing placed first)."""
+    problem = build_problem(snapshot, policy or Policy())
+    pending = job_ids if job_ids is not None else [job.job_id for job in snapshot.pending]
+    return plan_preemptions(problem, Book(problem), pending)

@@ -115,3 +115,15 @@ def test_no_defragmentation_when_moved_jobs_cannot_be_placed_again():
                               demand=job(f"s{k}", allowed_models=("H100",))) for k in range(8)]
     snap = snapshot(nodes, [job("big", gpus=8)], running=runs)
     assert schedule(snap, POLICY).migrations == ()
+
+
+def test_planners_alone_on_a_snapshot():
+    from scheduling.defrag import defragmentation_for
+    from scheduling.preemption import preemptions_for
+
+    nodes = [busy_node("n0", range(8))]
+    snap = snapshot(nodes, [job("urgent", gpus=2, priority=3)], running=[running("v", "n0", range(8))])
+    assert [p.victim_job_id for p in preemptions_for(snap, POLICY)] == ["v"]
+    nodes, runs = fragmented_cluster()
+    moves = defragmentation_for(snapshot(nodes, [job("big", gpus=8)], running=runs), POLICY)
+    assert len(moves) == 4 and {m.for_job_id for m in moves} == {"big"}

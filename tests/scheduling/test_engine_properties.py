@@ -19,7 +19,7 @@ POLICIES = [Policy(time_limit_s=2.0), Policy(method="greedy"), Policy(method="mi
 def nodes_and_running(draw):
     nodes, runs = [], []
     for n in range(draw(st.integers(0, 4))):
-        gpus = draw(st.sampled_from([1, 2, 4, 8]))
+        gpus = draw(st.sampled_from([0, 1, 2, 4, 8]))
         used = {}
         for g in range(gpus):
             used[g] = draw(st.sampled_from([0, 0, 0, 300, 1000]))
@@ -52,8 +52,9 @@ def snapshots(draw):
         fractional = draw(st.booleans()) and draw(st.booleans())
         nodes_wanted = 1 if fractional else draw(st.sampled_from([1, 1, 1, 2]))
         gpus = 1 if fractional else nodes_wanted * draw(st.sampled_from([0, 1, 2, 4]))
+        compute_units = None if fractional or not gpus or draw(st.booleans()) else draw(st.sampled_from([0.5, 2.0]))
         pending.append(job(
-            f"j{k}", gpus=gpus, gpu_milli=draw(st.sampled_from([250, 500])) if fractional else 1000,
+            f"j{k}", gpus=gpus, compute_units=compute_units, gpu_milli=draw(st.sampled_from([250, 500])) if fractional else 1000,
             nodes=nodes_wanted if gpus else 1, tenant=draw(st.sampled_from(["acme", "beta"])),
             interconnect=draw(st.sampled_from(["any", "nvlink"])), priority=draw(st.integers(0, 3)),
             allowed_models=draw(st.sampled_from([(), ("A100",)])), spot=draw(st.sampled_from(["never", "allowed", "required"])),
