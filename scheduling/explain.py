@@ -129,6 +129,14 @@ def _lost_reason(problem: Problem, book: Book, job: JobDemand, demand_class: Dem
                           f"BUDGET_EXCEEDED: budget: {job.tenant} has ${max(0.0, allowance.dollars):,.2f} left after "
                           f"this cycle's placements, cheapest fit costs ${cheapest:,.2f}", data)
     where = f"{fitting_nodes} nodes" + (f" and {len(fitting_offers)} cloud offers" if fitting_offers else "")
+    offer_left = {problem.targets[c.target].offer.id: book.launchable.get(problem.targets[c.target].offer.id, 0)
+                  for c in demand_class.candidates if problem.targets[c.target].offer is not None}
+    if offer_left:
+        data["offer_launchable_left"] = offer_left
+        left_total = sum(offer_left.values())
+        where += (f" (launch quota now used up on {len(offer_left)} fitting offers)" if left_total == 0
+                  else f" ({left_total} launches still allowed on fitting offers)")
+    data["placed_this_cycle"] = len(book.placements)
     if top_placed_priority is not None and top_placed_priority > job.priority:
         data["outranked_by_priority"] = top_placed_priority
         return Reason(ReasonCode.OUTRANKED,
