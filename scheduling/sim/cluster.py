@@ -109,10 +109,12 @@ class ArrayCluster:
         for i, x in enumerate(nodes):
             self.gpu_cap[i, : x.num_gpu] = MILLI
         self.total_gpu_milli = int(self.gpu_cap.sum())
-        self.states = StateTable(self.max_gpus)
         self.reset()
 
     def reset(self) -> None:
+        # A fresh state table per run: memo tables are sized by the number of states, and states
+        # from earlier runs (other policies, other seeds) would only cost memory.
+        self.states = StateTable(self.max_gpus)
         self.gpu_free = self.gpu_cap.copy()
         self.cpu_free = self.cpu_cap.copy()
         self.mem_free = self.mem_cap.copy()

@@ -111,8 +111,10 @@ class StatePolicy(Policy):
         cap = len(self.cluster.states.cpu)
         table = self._score.get(key)
         if table is None or len(table) < cap:
-            new = np.full(cap, UNKNOWN)
-            newg = np.full(cap, -1, dtype=np.int64)
+            # float32 holds every integer score exactly; int8 every GPU index: keeps (task types x
+            # states) tables small on task lists with hundreds of types
+            new = np.full(cap, UNKNOWN, dtype=np.float32)
+            newg = np.full(cap, -1, dtype=np.int8)
             if table is not None:
                 new[: len(table)] = table
                 newg[: len(table)] = self._gpu[key]

@@ -107,3 +107,14 @@ def test_upper_bound_lp_on_a_hand_example() -> None:
     assert allocation_upper_bound(nodes, tasks) == pytest.approx(1200.0)
     tasks2 = tasks + [TaskSpec("q", 100, 0, 1, 400), TaskSpec("q2", 100, 0, 1, 400)]
     assert allocation_upper_bound(nodes, tasks2) == pytest.approx(2000.0)
+
+
+def test_dual_feasible_cuts_pack_shares_into_whole_gpus() -> None:
+    from scheduling.sim.upper_bound import dff
+
+    assert dff(600, 1) == 1.0 and dff(500, 1) == 0.5 and dff(400, 1) == 0.0
+    assert dff(810, 4) == 1.0 and dff(470, 4) == 0.5 and dff(400, 2) == 0.5
+    # three 0.4 shares cannot share one GPU: only two of them (800 milli) can be placed
+    nodes = [NodeSpec("n", 64000, 1000, 1, "T4")]
+    tasks = [TaskSpec(f"s{i}", 100, 0, 1, 400) for i in range(3)]
+    assert allocation_upper_bound(nodes, tasks) == pytest.approx(800.0)
