@@ -59,9 +59,11 @@ class NodeCapacity:
         canonical = tuple(sorted(
             (isinstance(group, tuple), tuple(sorted(members))) for group, members in islands.items()
         ))
+        # Exact free CPU and memory: bucketing them merged shapes whose representative then refused
+        # jobs that some members could hold (a wrong "does not fit" is worse than a bigger model).
         return (
             node.provider, node.region, node.pool, node.fast_fabric, node.price_per_gpu_hour,
-            node.state, canonical, self.free_cpu, self.free_mem,
+            node.state, self.schedulable, canonical, self.free_cpu, self.free_mem,
         )
 
     # ---------------------------------------------------------------------------- GPU choice

@@ -79,8 +79,8 @@ def build_shape_targets(capacities: list[NodeCapacity]) -> list[Target]:
         by_key.setdefault(cap.shape_key(), []).append(position)
     targets = []
     for number, members in enumerate(by_key.values()):
-        targets.append(Target(key=f"shape{number}", kind="node", rep=capacities[members[0]].copy(),
-                              count=len(members), members=tuple(members)))
+        rep = capacities[members[0]].copy()
+        targets.append(Target(key=f"shape{number}", kind="node", rep=rep, count=len(members), members=tuple(members)))
     return targets
 
 
