@@ -97,3 +97,13 @@ def test_waiting_is_cheaper_than_an_expensive_launch():
     plan = schedule(weights_snap, FAST)
     assert plan.pending["j"].code == ReasonCode.CAPACITY_TAKEN
     assert "waiting cost" in plan.pending["j"].message
+
+
+def test_models_too_large_for_the_cycle_go_greedy(monkeypatch):
+    import scheduling.engine as engine
+
+    monkeypatch.setattr(engine, "MAX_MILP_PAIRS", 0)
+    snap = snapshot([gpu_node("n")], [job("j")])
+    plan = schedule(snap, FAST)
+    assert plan.solver.method == "greedy" and "greedy used" in plan.solver.note
+    assert plan.placement_for("j") is not None
