@@ -19,8 +19,8 @@ from scheduling.book import Book
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, Policy, Snapshot, SolverInfo
 from scheduling.objective import evaluate
-from scheduling.patterns import island_free_counts, node_fragmentation_gpus, to_workload
-from scheduling.problem import Problem, build_problem, workload_classes
+from scheduling.patterns import node_fragmentation_gpus, to_workload
+from scheduling.problem import Problem, workload_classes
 from scheduling.solver import Costs, solve
 from scheduling.targets import offer_node
 

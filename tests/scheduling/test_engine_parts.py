@@ -107,3 +107,14 @@ def test_models_too_large_for_the_cycle_go_greedy(monkeypatch):
     plan = schedule(snap, FAST)
     assert plan.solver.method == "greedy" and "greedy used" in plan.solver.note
     assert plan.placement_for("j") is not None
+
+
+def test_multi_node_gang_on_cloud_instances():
+    snap = snapshot([], [job("ddp", gpus=16, nodes=2, interconnect="nvlink")],
+                    [offer("slow", fast_fabric=False, price=20.0, launchable=4),
+                     offer("efa", fast_fabric=True, price=30.0, launchable=2)])
+    plan = schedule(snap, FAST)
+    (launch,) = plan.launches
+    assert launch.offer_id == "efa" and launch.count == 2
+    assert sorted(p.instance for p in plan.placement_for("ddp").parts) == [0, 1]
+    assert plan_violations(snap, plan) == []
