@@ -5,12 +5,16 @@ Variables
   nodes or a cloud offer variant).
 - y[c,g] integer: multi-node jobs of class c placed in fabric group g (parts = nodes * y).
 - u[c] >= 0: explicit slack, members of class c left pending (priced at their waiting cost).
-- z[t,p] integer: nodes (or launched instances) of target t that use whole-GPU pattern p.
+- z[t,p] integer: nodes of shape t that use whole-GPU pattern p; for small offers, instances
+  launched with job mix p (exact per instance).
+- n[t] integer: instances of a larger offer variant (pooled: fresh identical instances).
 - o[t] integer: whole GPUs of target t opened for fractional jobs.
 
 Equalities keep it honest (see DESIGN.md): sum_p z[t,p] == nodes in shape t (the empty pattern
 included), and gangs of each item type placed == slots the patterns provide, so the solver can
 neither reserve empty slots to game the fragmentation term nor place more than patterns allow.
+Shares, CPU and memory are pooled per shape with dual-feasible-function bin cuts; mapping and
+greedy repair absorb what pooling over-promises. Solved in phases (`_solve_in_two_phases`).
 """
 
 from __future__ import annotations
