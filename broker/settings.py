@@ -209,6 +209,7 @@ WHALEZEN_CYCLE_SECONDS = float(os.environ.get("WHALEZEN_CYCLE_SECONDS", 5))
 CELERY_BEAT_SCHEDULE = {
     "scheduling-sweep": {"task": "scheduler.sweep", "schedule": WHALEZEN_CYCLE_SECONDS},
     "provisioning-sweep": {"task": "provisioning.sweep", "schedule": 30.0},
+    "agents-mark-lost": {"task": "agents.mark_lost", "schedule": 10.0},
 }
 
 LOGGING = {

@@ -3,9 +3,11 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from broker.api.health import healthz
+from broker.ops.agent_package import agent_package
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("agent/package.tar.gz", agent_package, name="agent-package"),
     path("admin/", admin.site.urls),
     path("api/v1/agent/", include("broker.agents.urls")),
     path("api/v1/", include("broker.api.urls")),
@@ -15,3 +17,4 @@ urlpatterns = [
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema", permission_classes=[],
                                                     authentication_classes=[]), name="api-redoc"),
 ]
+handler404 = "broker.api.errors.not_found"

@@ -2,7 +2,14 @@
 agent and keep it running under systemd, so it survives reboots and agent crashes."""
 from __future__ import annotations
 
-DEFAULT_AGENT_INSTALL = "python3 -m pip install --quiet whalezen-agent"
+# The broker serves the agent it speaks to (GET /agent/package.tar.gz): no package index needed, and
+# the node always runs the protocol version of its broker. `{server_url}` is filled in.
+AGENT_HOME = "/opt/whalezen"
+DEFAULT_AGENT_INSTALL = (
+    f"install -d {AGENT_HOME} && curl -fsSL --retry 10 --retry-connrefused "
+    f'"{{server_url}}/agent/package.tar.gz" | tar -xz -C {AGENT_HOME} && '
+    f"python3 -m pip install --quiet -r {AGENT_HOME}/agent/requirements.txt"
+)
 
 
 def agent_boot_script(
@@ -21,9 +28,10 @@ def agent_boot_script(
         # Values go into an env file verbatim: a newline or quote would let them inject lines.
         if not value or any(c in value for c in "\n\r\"'`$\\"):
             raise ValueError(f"{label} is empty or contains characters not allowed in a boot script")
+    install = install_command.replace("{server_url}", server_url)
     return f"""#!/bin/bash
 set -euo pipefail
-{install_command}
+{install}
 install -d -m 0700 /etc/whalezen
 umask 077
 cat > /etc/whalezen/agent.env <<'WZEOF'
@@ -38,6 +46,7 @@ After=network-online.target
 Wants=network-online.target
 [Service]
 EnvironmentFile=/etc/whalezen/agent.env
+WorkingDirectory={AGENT_HOME}
 ExecStart=/bin/sh -c 'exec {python} -m agent --server "$WHALEZEN_SERVER" --name "$WHALEZEN_NODE_NAME" --state-dir /var/lib/whalezen-agent'
 Restart=always
 RestartSec=5

@@ -22,7 +22,8 @@ from broker.agents.models import AssignmentReport, NodeAgent
 from broker.inventory.models import CloudInstance, Gpu, GpuHealth, Node, NodeState, Pool
 from broker.inventory.services import gpu_model_resolve
 from broker.jobs.models import Allocation, Job
-from broker.jobs.services import IllegalTransition, StaleState, event_append, job_transition
+from broker.jobs.services import (IllegalTransition, StaleState, event_append, job_requeue, job_transition,
+                                  jobs_requeue_on_node)
 from broker.jobs.states import JobState
 from broker.tenancy import tokens
 
@@ -110,7 +111,7 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
                                 f"{node.state}; start this agent with another --name.", field="name")
             if agent is not None and not same_agent:
                 # The previous agent's processes are gone with it (the machine was reinstalled).
-                _requeue_jobs_on(node, reason_code="NODE_REREGISTERED",
+                jobs_requeue_on_node(node_id=node.pk, reason_code="NODE_REREGISTERED",
                                  message=f"Node {name} was taken over by a new agent.")
             if node.state in (NodeState.LOST, NodeState.OFFLINE):
                 node.state = NodeState.ONLINE  # DRAINING is an admin's decision: it stays
@@ -239,7 +240,7 @@ def agent_report_status(*, node: Node, allocation_id: str, data: dict[str, Any])
     if allocation.active:
         if state == "failed" and failed_gpus:
             reasons = "; ".join(f"GPU {i}: {', '.join(r) or 'FAILED'}" for i, r in sorted(failed_gpus.items()))
-            _requeue(job, reason_code="GPU_FAILED",
+            job_requeue(job=job, reason_code="GPU_FAILED",
                      message=f"{node.name}: the job died with its GPU ({reasons}); it restarts elsewhere.")
         else:
             _apply_report(job=job, allocation=allocation, state=state, reason=reason,
@@ -260,20 +261,20 @@ def _apply_report(*, job: Job, allocation: Allocation, state: str, reason: str, 
             steps = [JobState.STARTING, JobState.SUCCEEDED] if job.state in before_running else [JobState.SUCCEEDED]
             _advance(job, steps, reason_code="JOB_EXITED", message=f"Exited with code 0 on {node.name}.")
     elif state == "failed" and reason in ("agent_crashed", "not_running"):
-        _requeue(job, reason_code="AGENT_RESTARTED", message=f"{node.name}: {message}. Restarting the job.")
+        job_requeue(job=job, reason_code="AGENT_RESTARTED", message=f"{node.name}: {message}. Restarting the job.")
     elif state == "failed":
         _advance(job, [JobState.FAILED], reason_code="JOB_FAILED", message=f"{node.name}: {message}.")
     elif state == "stopped" and job.state != JobState.MIGRATING:
         # The broker did not take this allocation away (it is still active), yet the process ended:
         # the agent shut down or the node re-registered. The job goes back to the queue.
-        _requeue(job, reason_code="AGENT_STOPPED_JOB", message=f"{node.name}: {message}.")
+        job_requeue(job=job, reason_code="AGENT_STOPPED_JOB", message=f"{node.name}: {message}.")
     elif state == "refused" and reason == "invalid":
         # The assignment itself is unusable (no command, bad env...): another node would refuse it
         # too, so requeueing would only loop.
         _advance(job, [JobState.FAILED], reason_code="ASSIGNMENT_INVALID",
                  message=f"{node.name} cannot run this job: {message}.")
     elif state == "refused":
-        _requeue(job, reason_code="ASSIGNMENT_REFUSED", message=f"{node.name} refused the job: {message}.")
+        job_requeue(job=job, reason_code="ASSIGNMENT_REFUSED", message=f"{node.name} refused the job: {message}.")
 
 
 def _advance(job: Job, steps: list[str], *, reason_code: str, message: str) -> None:
@@ -286,25 +287,6 @@ def _advance(job: Job, steps: list[str], *, reason_code: str, message: str) -> N
             job = job_transition(job=job, to=target, reason_code=reason_code, message=message)
         except (IllegalTransition, StaleState):
             return
-
-
-def _requeue(job: Job, *, reason_code: str, message: str) -> bool:
-    """Back to PENDING (which releases its GPUs); a CHECKPOINTING job goes through PREEMPTED."""
-    for _ in range(3):
-        try:
-            if job.state == JobState.CHECKPOINTING:
-                job = job_transition(job=job, to=JobState.PREEMPTED, reason_code=reason_code, message=message)
-            return bool(job_transition(job=job, to=JobState.PENDING, reason_code=reason_code, message=message))
-        except StaleState:
-            job.refresh_from_db()
-        except IllegalTransition:
-            return False
-    return False
-
-
-def _requeue_jobs_on(node: Node, *, reason_code: str, message: str) -> list[int]:
-    jobs = Job.objects.filter(allocations__node=node, allocations__active=True).distinct()
-    return [job.pk for job in jobs if _requeue(job, reason_code=reason_code, message=message)]
 
 
 # -- the lost-node sweep -------------------------------------------------------------------------
@@ -324,7 +306,7 @@ def nodes_mark_lost(*, now: datetime | None = None) -> list[Node]:
         if marked != 1:
             continue
         silent = int((now - node.last_heartbeat_at).total_seconds())
-        requeued = _requeue_jobs_on(node, reason_code="NODE_LOST",
+        requeued = jobs_requeue_on_node(node_id=node.pk, reason_code="NODE_LOST",
                                     message=f"Node {node.name} sent no heartbeat for {silent} s (limit {limit} s); "
                                             "the job restarts elsewhere from its last committed checkpoint.")
         log.warning("node %s marked LOST after %d s of silence; %d job(s) requeued", node.name, silent, len(requeued))

@@ -27,3 +27,13 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if response is not None and isinstance(exc, ValidationError) and isinstance(response.data, list):
         response.data = {"non_field_errors": response.data}
     return response
+
+
+def not_found(request, exception=None):
+    """Django's 404 handler: JSON under /api/ (clients parse it), Django's page elsewhere."""
+    from django.http import JsonResponse
+    from django.views.defaults import page_not_found
+
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "Not found."}, status=404)
+    return page_not_found(request, exception)

@@ -1,6 +1,7 @@
 """/api/v1/gpu-models/, /pools/, /nodes/, /quota/: what a tenant can run on, and its limits."""
 from __future__ import annotations
 
+import django_filters
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, viewsets
 from rest_framework.request import Request
@@ -9,7 +10,7 @@ from rest_framework.views import APIView
 
 from broker.api.base import TenantReadOnlyViewSet
 from broker.api.schema import WhaleZenAutoSchema
-from broker.inventory.models import Gpu, GpuModel, Node, Pool
+from broker.inventory.models import Gpu, GpuModel, Node, NodeState, Pool
 from broker.jobs.selectors import tenant_gpu_usage
 from broker.tenancy.models import Quota
 from broker.tenancy.permissions import tenant_context
@@ -69,10 +70,25 @@ class NodeSerializer(serializers.ModelSerializer):
                   "last_heartbeat_at", "agent_version", "gpus"]
 
 
+def _own_pools(request):
+    ctx = tenant_context(request)
+    return Pool.objects.filter(tenant=ctx.tenant) if ctx is not None else Pool.objects.none()
+
+
+class NodeFilter(django_filters.FilterSet):
+    state = django_filters.ChoiceFilter(choices=NodeState.choices)
+    # Only the caller's pools are valid choices: another tenant's pool id answers exactly like an unknown one.
+    pool = django_filters.ModelChoiceFilter(queryset=_own_pools)
+
+    class Meta:
+        model = Node
+        fields = ["state", "pool"]
+
+
 class NodeViewSet(TenantReadOnlyViewSet):
     queryset = Node.objects.select_related("pool").prefetch_related("gpus__slices")
     serializer_class = NodeSerializer
-    filterset_fields = ["state", "pool"]
+    filterset_class = NodeFilter
     schema = WhaleZenAutoSchema()
 
 

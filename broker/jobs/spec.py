@@ -41,6 +41,11 @@ _K8S_MEM_MB = {None: 1 / 2**20, "Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 2**20
                "K": 1e3 / 2**20, "M": 1e6 / 2**20, "G": 1e9 / 2**20, "T": 1e12 / 2**20}
 
 
+def _ascii_digits(text: str) -> bool:
+    """0-9 only: str.isdigit() also accepts other scripts' digits and superscripts."""
+    return text.isascii() and text.isdigit()
+
+
 @dataclass(frozen=True)
 class GpuModelRef:
     name: str
@@ -121,7 +126,7 @@ class AcceleratorsField(serializers.Field):
             ((model, count),) = data.items()
         elif isinstance(data, str):
             model, _, count_text = data.partition(":")
-            if count_text and not count_text.strip().isdigit():
+            if count_text and not _ascii_digits(count_text.strip()):
                 self.fail("invalid")
             count = int(count_text) if count_text else 1
         else:
@@ -159,7 +164,7 @@ class KubernetesLimitsField(serializers.Field):
         out: dict[str, int] = {}
         if K8S_GPU_KEY in data:
             gpus = data[K8S_GPU_KEY]
-            if isinstance(gpus, str) and gpus.isdigit():
+            if isinstance(gpus, str) and _ascii_digits(gpus):
                 gpus = int(gpus)
             if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS_PER_NODE:
                 raise serializers.ValidationError(
@@ -171,6 +176,8 @@ class KubernetesLimitsField(serializers.Field):
             if not match:
                 raise serializers.ValidationError('cpu must look like "8", "0.5" or "500m".')
             value = float(match.group(1))
+            if (value / 1000 if match.group(2) else value) < 0.001:
+                raise serializers.ValidationError("cpu must be at least 1m (0.001 cores).")
             if (value / 1000 if match.group(2) else value) > MAX_CPU_PER_NODE:
                 raise serializers.ValidationError(f"cpu must be at most {MAX_CPU_PER_NODE} cores.")
             out["cpu_milli"] = int(value if match.group(2) else value * 1000)

@@ -132,3 +132,19 @@ def test_session_user_uses_their_tenant(acme, globex):
     # Writes through a session need the CSRF token.
     resp = client.post("/api/v1/jobs/", MINIMAL_SPEC, format="json")
     assert resp.status_code == 403 and "CSRF" in resp.json()["detail"]
+
+
+def test_node_pool_filter_does_not_reveal_other_tenants_pools(acme, globex):
+    own = acme.client.get(f"/api/v1/nodes/?pool={acme.pool.pk}")
+    assert own.status_code == 200 and own.json()["count"] == 2
+    theirs = acme.client.get(f"/api/v1/nodes/?pool={globex.pool.pk}")
+    missing = acme.client.get("/api/v1/nodes/?pool=999999")
+    assert theirs.status_code == missing.status_code == 400
+    assert "pool" in theirs.json() and "pool" in missing.json()
+
+
+def test_unroutable_api_paths_answer_json_404(acme, settings):
+    settings.DEBUG = False
+    for url in ("/api/v1/jobs/1.5/", "/api/v1/jobs/a/b/", "/api/v1/nope/"):
+        resp = acme.client.get(url)
+        assert resp.status_code == 404 and resp.json() == {"detail": "Not found."}, url

@@ -194,3 +194,13 @@ def test_shipped_examples_are_accepted(acme, path):
     content_type = "application/yaml" if path.suffix in (".yaml", ".yml") else "application/json"
     resp = acme.client.post(URL, path.read_text(), content_type=content_type)
     assert resp.status_code == 201, resp.content
+
+
+@pytest.mark.parametrize("resources,field", [
+    ({"limits": {"nvidia.com/gpu": "\u0661"}}, "limits"),  # an Arabic-Indic digit one
+    ({"accelerators": "T4:\u00b2"}, "accelerators"),  # a superscript two
+    ({"limits": {"nvidia.com/gpu": 1, "cpu": "0.0000001"}}, "limits"),
+])
+def test_odd_numerals_and_vanishing_cpu_are_refused(acme, resources, field):
+    resp = acme.client.post(URL, spec(resources=resources), format="json")
+    assert resp.status_code == 400 and field in resp.json()["resources"], resp.content

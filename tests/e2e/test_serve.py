@@ -63,7 +63,7 @@ def test_service_runs_a_job_on_a_demo_node_and_stops_cleanly(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         nodes = wait_for(lambda: [n for n in call(f"{base}/api/v1/nodes/", token)["results"]
-                                  if n["last_heartbeat_at"]] if _up(base) else None, 60, "agents to heartbeat")
+                                  if n["last_heartbeat_at"]] if _up(base) else None, 120, "agents to heartbeat")
         assert {n["name"] for n in nodes} <= {"acme-a100-0", "acme-a100-1", "acme-t4-0", "acme-t4-1"}
         out_file = tmp_path / "job-output.txt"
         job = call(f"{base}/api/v1/jobs/", token, {
@@ -71,7 +71,7 @@ def test_service_runs_a_job_on_a_demo_node_and_stops_cleanly(tmp_path):
             "command": [sys.executable, "-c",
                         f"import os; open({str(out_file)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])"]})
         final = wait_for(lambda: (j := call(f"{base}/api/v1/jobs/{job['id']}/", token))["state"]
-                         in ("SUCCEEDED", "FAILED") and j, 60, "the job to finish")
+                         in ("SUCCEEDED", "FAILED") and j, 120, "the job to finish")
         assert final["state"] == "SUCCEEDED", call(f"{base}/api/v1/jobs/{job['id']}/events/", token)
         events = call(f"{base}/api/v1/jobs/{job['id']}/events/", token)["results"]
         placed = next(e for e in events if e["reason_code"] == "PLACED")
