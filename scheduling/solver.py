@@ -38,8 +38,10 @@ class SolveResult:
 def _make_solver(name: str, time_limit_s: float, mip_gap: float, relax: bool) -> pulp.LpSolver | None:
     limit = max(0.05, float(time_limit_s))
     if name == "HiGHS":
-        solver = pulp.HiGHS(mip=not relax, msg=False, timeLimit=limit, gapRel=mip_gap, gapAbs=MIP_GAP_ABS,
-                            threads=1)
+        # No `threads` option: HiGHS sizes one thread pool per process at first use, and a later
+        # instance asking for another size gets status kNotset (seen when a benchmark's own HiGHS
+        # solve ran first in the same process). The default keeps every caller compatible.
+        solver = pulp.HiGHS(mip=not relax, msg=False, timeLimit=limit, gapRel=mip_gap, gapAbs=MIP_GAP_ABS)
     else:
         # CBC takes whole seconds only; it may overrun a sub-second limit by up to one second.
         solver = pulp.PULP_CBC_CMD(mip=not relax, msg=False, timeLimit=max(1, round(limit)), gapRel=mip_gap,

@@ -118,3 +118,20 @@ def test_multi_node_gang_on_cloud_instances():
     assert launch.offer_id == "efa" and launch.count == 2
     assert sorted(p.instance for p in plan.placement_for("ddp").parts) == [0, 1]
     assert plan_violations(snap, plan) == []
+
+
+def test_engine_and_other_highs_users_share_one_process():
+    # HiGHS sizes its thread pool once per process; an engine that asked for another size got
+    # "Not Solved" after a benchmark's own HiGHS solve (and broke that solve when it ran first).
+    import pulp
+
+    snap = snapshot([gpu_node("n", gpus=2)], [job("a")])
+    policy = Policy(method="milp", preemption=False, defragmentation=False)
+    assert schedule(snap, policy).solver.method == "milp"
+    prob = pulp.LpProblem("other_user", pulp.LpMinimize)
+    x = pulp.LpVariable("x", 0, 5, cat="Integer")
+    prob += x
+    prob += x >= 1
+    prob.solve(pulp.HiGHS(msg=False))
+    assert prob.sol_status == pulp.LpSolutionOptimal
+    assert schedule(snap, policy).solver.method == "milp"
