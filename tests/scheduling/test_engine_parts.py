@@ -122,16 +122,26 @@ def test_multi_node_gang_on_cloud_instances():
 
 def test_engine_and_other_highs_users_share_one_process():
     # HiGHS sizes its thread pool once per process; an engine that asked for another size got
-    # "Not Solved" after a benchmark's own HiGHS solve (and broke that solve when it ran first).
-    import pulp
+    # "Not Solved" after a benchmark's own HiGHS solve. A fresh process makes the order certain.
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    snap = snapshot([gpu_node("n", gpus=2)], [job("a")])
-    policy = Policy(method="milp", preemption=False, defragmentation=False)
-    assert schedule(snap, policy).solver.method == "milp"
-    prob = pulp.LpProblem("other_user", pulp.LpMinimize)
-    x = pulp.LpVariable("x", 0, 5, cat="Integer")
-    prob += x
-    prob += x >= 1
-    prob.solve(pulp.HiGHS(msg=False))
-    assert prob.sol_status == pulp.LpSolutionOptimal
-    assert schedule(snap, policy).solver.method == "milp"
+    script = """
+import pulp
+from scheduling.engine import schedule
+from scheduling.model import GpuState, JobDemand, NodeState, Policy, Snapshot
+prob = pulp.LpProblem("other_user", pulp.LpMinimize)
+x = pulp.LpVariable("x", 0, 5, cat="Integer")
+prob += x
+prob += x >= 1
+prob.solve(pulp.HiGHS(msg=False))
+assert prob.sol_status == pulp.LpSolutionOptimal
+node = NodeState("n", "n", (GpuState(0, "g0", "A100", 40960, 40960),), 8000, 8192, 8000, 8192)
+plan = schedule(Snapshot(now=0.0, nodes=(node,), pending=(JobDemand("a"),)), Policy(method="milp"))
+print(plan.solver.method)
+"""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "milp"
