@@ -191,3 +191,22 @@ def first_rejection(plugins: tuple[FilterPlugin, ...], job: JobDemand, part: Par
         if not plugin.passes(job, part, target, ctx):
             return plugin
     return None
+
+
+# Score terms by name: what each prices, and the `PolicyWeights` fields that scale it. The MILP,
+# greedy and `objective.evaluate` read them through `problem.scaled_weights`; a policy lists names
+# and weights (`Policy.scores`), and a name missing from the policy weighs 0.
+SCORE_TERMS: dict[str, str] = {
+    "money": "dollars for the run on the chosen GPUs, launch overhead and idle instance GPUs (PolicyWeights.money)",
+    "fragmentation": "FGD increase of owned nodes, in GPUs x fragmentation_dollars_per_gpu "
+                     "(PolicyWeights.fragmentation)",
+    "waiting": "per job left pending: waiting_dollars_per_job x priority_step_factor^rank x (0.1 + GPUs) "
+               "(PolicyWeights.waiting)",
+}
+
+
+def resolve_scores(scores: Mapping[str, float]) -> dict[str, float]:
+    unknown = [name for name in scores if name not in SCORE_TERMS]
+    if unknown:
+        raise KeyError(f"unknown score terms {unknown}; known: {sorted(SCORE_TERMS)}")
+    return {name: float(scores.get(name, 0.0)) for name in SCORE_TERMS}

@@ -17,7 +17,7 @@ from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import (
     WHOLE_GPU_MILLI, JobDemand, Policy, PolicyWeights, Snapshot, WorkloadClass,
 )
-from scheduling.plugins import FilterContext, FilterPlugin, first_rejection, resolve_filters
+from scheduling.plugins import FilterContext, FilterPlugin, first_rejection, resolve_filters, resolve_scores
 from scheduling.targets import (
     Pricing, Target, build_offer_targets, build_shape_targets, priority_weight,
 )
@@ -66,7 +66,7 @@ def _class_key(job: JobDemand) -> tuple:
 
 
 def scaled_weights(weights: PolicyWeights, policy: Policy) -> dict[str, float]:
-    scores = policy.scores
+    scores = resolve_scores(policy.scores)
     return {
         "money": weights.money * scores.get("money", 0.0),
         "fragmentation": weights.fragmentation * scores.get("fragmentation", 0.0)

@@ -7,7 +7,7 @@ import pytest
 from engine_factories import FAST, budget, gpu_node, job, offer, snapshot
 from scheduling.engine import schedule
 from scheduling.model import Policy, ReasonCode
-from scheduling.plugins import FILTERS, resolve_filters
+from scheduling.plugins import FILTERS, resolve_filters, resolve_scores
 
 
 def reason_of(snap, job_id="j", policy=FAST):
@@ -20,6 +20,9 @@ def test_registry_resolves_names_and_rejects_unknown():
     assert [p.name for p in resolve_filters(("gpu_model", "cpu_memory"))] == ["gpu_model", "cpu_memory"]
     with pytest.raises(KeyError):
         resolve_filters(("gpu_model", "no_such_plugin"))
+    with pytest.raises(KeyError):
+        schedule(snapshot([gpu_node("n")], [job("j")]), Policy(scores={"money": 1.0, "carbon": 1.0}))
+    assert resolve_scores({"money": 2.0}) == {"money": 2.0, "fragmentation": 0.0, "waiting": 0.0}
     assert {p.code for p in FILTERS.values()} >= {
         ReasonCode.NO_GPU_MODEL, ReasonCode.INSUFFICIENT_GPU_MEMORY, ReasonCode.INSUFFICIENT_GPUS,
         ReasonCode.NO_NVLINK_ISLAND, ReasonCode.NO_FAST_FABRIC, ReasonCode.INSUFFICIENT_CPU_MEMORY,
