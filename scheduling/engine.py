@@ -1,11 +1,11 @@
 """The scheduling cycle: `schedule(snapshot, policy) -> Plan`.
 
 1. Build the problem: node shapes, offer variants, demand classes, filtered candidates.
-2. Place: aggregated MILP (method "auto"/"milp") mapped back to nodes and repaired greedily;
-   the per-node exact MILP (method "exact"); or greedy alone (method "greedy"). When the MILP
-   has no proven answer in time, the greedy answer is computed too and the better of the two
-   under the same objective is kept; `Plan.solver` says which was used.
-3. For jobs still pending: preemption plan, then defragmentation plan.
+2. Place (`place`): method "auto" runs the aggregated MILP (mapped back to nodes, repaired
+   greedily) and the greedy placer and keeps the better under one objective; "milp" keeps the
+   MILP's answer; "greedy" and "exact" (per-node model) run alone. `Plan.solver` says which
+   answer was used, whether it was proven optimal, and why.
+3. For jobs still held back by capacity: preemption plan, then defragmentation plan.
 4. Explain every job left pending.
 """
 
@@ -15,12 +15,15 @@ import time
 
 from scheduling.book import Book
 from scheduling.capacity import NodeCapacity
+from scheduling.defrag import plan_defragmentation
 from scheduling.explain import explain_pending
 from scheduling.greedy import place_greedily
-from scheduling.model import Plan, Policy, Reason, ReasonCode, Snapshot, SolverInfo
+from scheduling.mapping import map_solution
+from scheduling.milp import build_and_solve
+from scheduling.model import Migration, Plan, Policy, Preemption, Reason, ReasonCode, Snapshot, SolverInfo
 from scheduling.objective import evaluate
+from scheduling.preemption import plan_preemptions
 from scheduling.problem import Problem, build_problem
-
 
 # Share of the cycle's time limit the MILP may use (LP, phase two, full model).
 MILP_SHARE = 0.5
@@ -44,50 +47,52 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
     pending = [job.job_id for job in sorted(snapshot.pending, key=lambda j: (j.submitted_at, j.job_id))
                if job.job_id not in book.placements]
     reasons: dict[str, Reason] = explain_pending(problem, book, pending)
-
-    preemptions = ()
-    migrations = ()
     # Only jobs held back by capacity: not by quota, budget, price, policy or an invalid demand,
     # and not those for which waiting is cheaper than any fit.
     blocked = [job_id for job_id in pending if reasons[job_id].code in CAPACITY_CODES
                and not reasons[job_id].data.get("waiting_cheaper")]
+    preemptions: tuple[Preemption, ...] = ()
+    migrations: tuple[Migration, ...] = ()
     if policy.preemption and blocked:
-        from scheduling.preemption import plan_preemptions
         preemptions = plan_preemptions(problem, book, blocked)
-        for preemption in preemptions:
-            reason = reasons.get(preemption.for_job_id)
-            if reason is not None and reason.code != ReasonCode.WAITING_FOR_PREEMPTION:
-                victims = [p.victim_job_id for p in preemptions if p.for_job_id == preemption.for_job_id]
-                lost = sum(p.lost_work_s for p in preemptions if p.for_job_id == preemption.for_job_id)
-                reasons[preemption.for_job_id] = Reason(
-                    ReasonCode.WAITING_FOR_PREEMPTION,
-                    f"WAITING_FOR_PREEMPTION: preempting {len(victims)} lower-priority job(s) on "
-                    f"{preemption.node_id} ({', '.join(victims)}), {lost:,.0f} s of work lost; "
-                    f"before: {reason.message}",
-                    {"victims": victims, "node_id": preemption.node_id, "lost_work_s": lost,
-                     "previous": reason.code.value})
+        _explain_preemptions(reasons, preemptions)
     if policy.defragmentation and blocked:
-        from scheduling.defrag import plan_defragmentation
         waiting = [j for j in blocked if reasons[j].code != ReasonCode.WAITING_FOR_PREEMPTION]
         migrations = plan_defragmentation(problem, book, waiting)
-        for migration in migrations:
-            job_id = migration.for_job_id
-            reason = reasons.get(job_id) if job_id else None
-            if job_id and reason is not None and reason.code != ReasonCode.WAITING_FOR_DEFRAGMENTATION:
-                moved = [m.job_id for m in migrations if m.for_job_id == job_id]
-                reasons[job_id] = Reason(
-                    ReasonCode.WAITING_FOR_DEFRAGMENTATION,
-                    f"WAITING_FOR_DEFRAGMENTATION: moving {len(moved)} checkpointable job(s) "
-                    f"({', '.join(moved)}) off {migration.from_node_id} to make room; before: {reason.message}",
-                    {"moved": moved, "node_id": migration.from_node_id, "previous": reason.code.value})
+        _explain_migrations(reasons, migrations)
 
     book.compact_instances()
     placements = tuple(book.placements[j.job_id] for j in sorted(snapshot.pending, key=lambda j: j.job_id)
                        if j.job_id in book.placements)
     info = SolverInfo(info.method, info.proven_optimal, time.perf_counter() - started, info.objective,
                       info.solver, info.status, info.variables, info.note)
-    return Plan(placements=placements, launches=book.launches(), preemptions=tuple(preemptions),
-                migrations=tuple(migrations), pending=dict(sorted(reasons.items())), solver=info)
+    return Plan(placements=placements, launches=book.launches(), preemptions=preemptions,
+                migrations=migrations, pending=dict(sorted(reasons.items())), solver=info)
+
+
+def _explain_preemptions(reasons: dict[str, Reason], preemptions: tuple[Preemption, ...]) -> None:
+    for job_id in dict.fromkeys(p.for_job_id for p in preemptions):
+        mine = [p for p in preemptions if p.for_job_id == job_id]
+        victims = [p.victim_job_id for p in mine]
+        lost = sum(p.lost_work_s for p in mine)
+        before = reasons[job_id]
+        reasons[job_id] = Reason(
+            ReasonCode.WAITING_FOR_PREEMPTION,
+            f"WAITING_FOR_PREEMPTION: preempting {len(victims)} lower-priority job(s) on {mine[0].node_id} "
+            f"({', '.join(victims)}), {lost:,.0f} s of work lost; before: {before.message}",
+            {"victims": victims, "node_id": mine[0].node_id, "lost_work_s": lost, "previous": before.code.value})
+
+
+def _explain_migrations(reasons: dict[str, Reason], migrations: tuple[Migration, ...]) -> None:
+    for job_id in dict.fromkeys(m.for_job_id for m in migrations if m.for_job_id):
+        mine = [m for m in migrations if m.for_job_id == job_id]
+        moved = [m.job_id for m in mine]
+        before = reasons[job_id]
+        reasons[job_id] = Reason(
+            ReasonCode.WAITING_FOR_DEFRAGMENTATION,
+            f"WAITING_FOR_DEFRAGMENTATION: moving {len(moved)} checkpointable job(s) ({', '.join(moved)}) off "
+            f"{mine[0].from_node_id} to make room; before: {before.message}",
+            {"moved": moved, "node_id": mine[0].from_node_id, "previous": before.code.value})
 
 
 def place(problem: Problem, original: list[NodeCapacity], started: float) -> tuple[Book, SolverInfo]:
@@ -103,7 +108,7 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
     policy = problem.policy
     all_jobs = [job.job_id for job in problem.snapshot.pending]
     if policy.method == "exact":
-        from scheduling.exact import solve_exact
+        from scheduling.exact import solve_exact  # only for measuring: keep it off the import path
         return solve_exact(problem, original, policy.time_limit_s)
 
     def run_greedy() -> tuple[Book, float]:
@@ -114,9 +119,6 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
     if policy.method == "greedy" or not problem.classes:
         greedy_book, greedy_objective = run_greedy()
         return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, "", "greedy by policy")
-
-    from scheduling.mapping import map_solution
-    from scheduling.milp import build_and_solve
 
     # The MILP (model build and solves) gets half the cycle's limit, whatever building the
     # problem took: on a loaded machine that keeps the answer from depending on the load more
