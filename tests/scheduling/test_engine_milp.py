@@ -153,3 +153,16 @@ def test_exact_model_and_gap_on_a_small_instance():
     assert result["gap_pct"] <= 1.0
     exact = schedule(snap, Policy(method="exact", time_limit_s=10.0, preemption=False, defragmentation=False))
     assert exact.solver.method == "exact" and plan_violations(snap, exact) == []
+
+
+def test_cbc_fallback_solver_gives_the_same_optimum():
+    rng = random.Random(3)
+    nodes = [gpu_node(f"n{i}", gpus=rng.choice([2, 4]), island_size=1, price=rng.choice([0.5, 1.0, 3.0]))
+             for i in range(3)]
+    pending = [job(f"j{k}", gpus=rng.choice([1, 2, 3]), submitted_at=k) for k in range(4)]
+    snap = snapshot(nodes, pending)
+    cbc = Policy(scores={"money": 1.0, "waiting": 1.0}, method="milp", solver="cbc", time_limit_s=10.0,
+                 preemption=False, defragmentation=False)
+    plan = schedule(snap, cbc)
+    assert plan.solver.method == "milp" and plan.solver.solver == "PULP_CBC_CMD"
+    assert plan.solver.objective == pytest.approx(brute_force_cost(snap, cbc), abs=0.51)
