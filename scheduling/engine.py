@@ -30,10 +30,12 @@ MILP_SHARE = 0.5
 # Above this many (demand class, target) pairs the model takes seconds just to build (measured:
 # 17,000 pairs, 216 partly used node shapes, 1.3 s CPU): the cycle answers greedily instead.
 MAX_MILP_PAIRS = 40_000
-# Pending reasons that freeing capacity (preemption, defragmentation) can cure.
-CAPACITY_CODES = frozenset({
-    ReasonCode.INSUFFICIENT_GPUS, ReasonCode.NO_NVLINK_ISLAND, ReasonCode.INSUFFICIENT_CPU_MEMORY,
-    ReasonCode.INSUFFICIENT_GPU_MEMORY, ReasonCode.OUTRANKED, ReasonCode.CAPACITY_TAKEN,
+# Pending reasons that freeing capacity (preemption, defragmentation) cannot cure. Any other code
+# may hide a capacity block: the headline code is the plugin that rejected the most nodes (e.g.
+# NODE_NOT_READY on a cluster that is mostly offline while the one ready node is full), and the
+# planners check every node themselves.
+NOT_CAPACITY_CODES = frozenset({
+    ReasonCode.INVALID_DEMAND, ReasonCode.QUOTA_EXCEEDED, ReasonCode.BUDGET_EXCEEDED,
 })
 
 
@@ -47,9 +49,9 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
     pending = [job.job_id for job in sorted(snapshot.pending, key=lambda j: (j.submitted_at, j.job_id))
                if job.job_id not in book.placements]
     reasons: dict[str, Reason] = explain_pending(problem, book, pending)
-    # Only jobs held back by capacity: not by quota, budget, price, policy or an invalid demand,
-    # and not those for which waiting is cheaper than any fit.
-    blocked = [job_id for job_id in pending if reasons[job_id].code in CAPACITY_CODES
+    # Not for jobs held back by quota, budget or an invalid demand, nor those for which waiting
+    # is cheaper than any fit.
+    blocked = [job_id for job_id in pending if reasons[job_id].code not in NOT_CAPACITY_CODES
                and not reasons[job_id].data.get("waiting_cheaper")]
     preemptions: tuple[Preemption, ...] = ()
     migrations: tuple[Migration, ...] = ()

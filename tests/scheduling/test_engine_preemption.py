@@ -127,3 +127,12 @@ def test_planners_alone_on_a_snapshot():
     nodes, runs = fragmented_cluster()
     moves = defragmentation_for(snapshot(nodes, [job("big", gpus=8)], running=runs), POLICY)
     assert len(moves) == 4 and {m.for_job_id for m in moves} == {"big"}
+
+
+def test_preemption_when_most_nodes_are_offline():
+    # The headline reason is NODE_NOT_READY (3 of 4 nodes offline), yet the ready node is simply full.
+    nodes = [busy_node("n0", range(8))] + [gpu_node(f"off{i}", state="offline") for i in range(3)]
+    snap = snapshot(nodes, [job("urgent", gpus=8, priority=10)], running=[running("v", "n0", range(8))])
+    plan = schedule(snap, POLICY)
+    assert [p.victim_job_id for p in plan.preemptions] == ["v"]
+    assert plan.pending["urgent"].data["previous"] == "NODE_NOT_READY"
