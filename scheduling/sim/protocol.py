@@ -12,7 +12,7 @@ to N%.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -93,5 +93,3 @@ def run_online(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], policy: Poli
         alloc[i] = 100.0 * cluster.allocated_milli / total
     return run
 
-
-BatchPlacer = Callable[[ArrayCluster, Sequence[TaskSpec]], list[tuple[TaskSpec, int, list[int]] | None]]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduling.fragmentation import TaskClass, Workload, normalise
-from scheduling.sim.cluster import ArrayCluster, TaskSpec
+from scheduling.sim.cluster import TaskSpec
 from scheduling.sim.policies import FGDPolicy, is_shared
 
 
@@ -67,9 +67,6 @@ class WhaleZenOnline(FGDPolicy):
         self.resolution = resolution
         self.cpu_per_gpu = c if cpu_per_gpu is None else cpu_per_gpu
         self.mem_per_gpu = m if mem_per_gpu is None else mem_per_gpu
-
-    def start(self, cluster: ArrayCluster, rng: np.random.Generator) -> None:
-        super().start(cluster, rng)
 
     def frag_of(self, gpu: np.ndarray, cpu: np.ndarray, mem: np.ndarray, model: np.ndarray) -> np.ndarray:
         base = super().frag_of(gpu, cpu, mem, model)
