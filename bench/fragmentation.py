@@ -33,6 +33,9 @@ from scheduling.sim.registry import ONLINE_POLICIES, make_policy
 from scheduling.sim.upper_bound import allocation_upper_bound
 
 BROKER = "whalezen-broker"
+# The same cycles through scheduling.engine.schedule on a full snapshot: about 40 s per seed, so
+# only on request (--policies ...,whalezen-broker-engine).
+ENGINE_BROKER = "whalezen-broker-engine"
 ALL_POLICIES = (ONLINE_POLICIES[0], BROKER) + ONLINE_POLICIES[1:]
 
 
@@ -138,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             rng = np.random.default_rng([seed, 1])
             t0 = time.perf_counter()
             record = bool(args.placements_out) and i == 0 and name == "whalezen-online"
-            if name == BROKER:
+            if name == ENGINE_BROKER:
+                from scheduling.sim.engine_broker import run_engine_broker
+
+                run = run_engine_broker(cluster, arrivals, workload, every=args.broker_every, seed=seed)
+            elif name == BROKER:
                 run = run_broker(cluster, arrivals, workload, rng, every=args.broker_every,
                                  max_moves=args.broker_moves)
             else:

@@ -118,3 +118,43 @@ def test_dual_feasible_cuts_pack_shares_into_whole_gpus() -> None:
     nodes = [NodeSpec("n", 64000, 1000, 1, "T4")]
     tasks = [TaskSpec(f"s{i}", 100, 0, 1, 400) for i in range(3)]
     assert allocation_upper_bound(nodes, tasks) == pytest.approx(800.0)
+
+
+def test_engine_broker_applies_the_engines_placements_and_moves() -> None:
+    from scheduling.model import Migration, Placement, PlacementPart, Plan, SolverInfo
+    from scheduling.sim.engine_broker import run_engine_broker
+
+    nodes = [NodeSpec("a", 8000, 8000, 1, "T4"), NodeSpec("b", 8000, 8000, 1, "T4")]
+    arrivals = [TaskSpec("s", 1000, 0, 1, 400), TaskSpec("s2", 1000, 0, 1, 400), TaskSpec("w", 1000, 0, 1, 1000)]
+    calls = []
+
+    def fake(snapshot, policy=None):
+        calls.append(snapshot)
+        ids = [j.job_id for j in snapshot.pending]
+        if ids == ["t0", "t1"]:  # first cycle: one share on each node
+            return Plan(placements=(Placement("t0", (PlacementPart((0,), 400, node_id="a"),)),
+                                    Placement("t1", (PlacementPart((0,), 400, node_id="b"),))),
+                        solver=SolverInfo("greedy", False, 0.0))
+        # second cycle: move t0 next to t1, then the whole-GPU task takes node a
+        return Plan(placements=(Placement("t2", (PlacementPart((0,), node_id="a"),)),),
+                    migrations=(Migration("t0", "a", PlacementPart((0,), 400, node_id="b"), "defragmentation"),),
+                    solver=SolverInfo("greedy", False, 0.0))
+
+    cluster = ArrayCluster(nodes)
+    run = run_engine_broker(cluster, arrivals, WL, every=2, schedule=fake)
+    assert run.dropped == 0 and cluster.gpu_free[:, 0].tolist() == [0, 200]
+    second = calls[1]
+    assert [(r.job_id, r.node_id, r.gpu_milli) for r in second.running] == [("t0", "a", 400), ("t1", "b", 400)]
+    assert [g.milli_used for n in second.nodes for g in n.gpus] == [400, 400]
+    assert second.workload and second.workload[0].gpus == 1
+
+
+def test_engine_broker_with_the_real_engine_places_what_fits() -> None:
+    from scheduling.sim.engine_broker import run_engine_broker
+
+    nodes = [NodeSpec("a", 16000, 64000, 2, "T4"), NodeSpec("b", 16000, 64000, 2, "T4")]
+    arrivals = [TaskSpec(f"t{i}", 2000, 1000, 1, [1000, 500, 500, 1000, 2000 // 2][i]) for i in range(5)]
+    cluster = ArrayCluster(nodes)
+    run = run_engine_broker(cluster, arrivals, WL, every=5)
+    assert run.dropped == 0
+    assert cluster.allocated_milli == sum(t.total_milli for t in arrivals) == 4000

@@ -1,0 +1,89 @@
+"""``whalezen-broker-engine``: the FGD protocol driven by the core engine itself.
+
+Every ``every`` arrivals the batch becomes the pending jobs of a :class:`Snapshot` of the whole
+cluster (every GPU's used share, free CPU and memory, every task placed so far as a running,
+checkpointable allocation, the task mix as the fragmentation workload, no cloud offers), and
+``scheduling.engine.schedule`` decides; its placements and defragmentation migrations are applied
+to the array cluster (which re-checks every one), whatever it leaves pending is dropped, as in the
+protocol.  Slow compared with :mod:`scheduling.sim.broker` (a 1,213-node snapshot per cycle), so
+the benchmark runs it on request.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from scheduling.fragmentation import Workload
+from scheduling.model import (
+    GpuState, JobDemand, NodeState, Plan, Policy, RunningAllocation, Snapshot, WorkloadClass,
+)
+from scheduling.sim.cluster import MILLI, ArrayCluster, TaskSpec
+from scheduling.sim.protocol import ProtocolRun
+
+GPU_MEMORY_MB = 16_384
+
+
+def _snapshot(cluster: ArrayCluster, batch: Sequence[tuple[int, TaskSpec]],
+              placed: dict[int, tuple[TaskSpec, int, list[int]]], workload: tuple[WorkloadClass, ...],
+              seed: int) -> Snapshot:
+    nodes = []
+    for i, spec in enumerate(cluster.nodes):
+        gpus = tuple(GpuState(g, f"{spec.name}-{g}", spec.model, GPU_MEMORY_MB, GPU_MEMORY_MB,
+                              milli_used=int(MILLI - cluster.gpu_free[i, g])) for g in range(spec.num_gpu))
+        nodes.append(NodeState(spec.name, spec.name, gpus, spec.cpu_milli, spec.memory_mib,
+                               int(cluster.cpu_free[i]), int(cluster.mem_free[i]), price_per_gpu_hour=1.0))
+    running = tuple(RunningAllocation(f"t{idx}", cluster.names[node], tuple(gpus), gpu_milli=t.gpu_milli or MILLI,
+                                      preemptible=True, checkpointable=True, run_seconds=1e6,
+                                      checkpoint_age_s=0.0, cpu_milli=t.cpu_milli, memory_mb=t.memory_mib)
+                    for idx, (t, node, gpus) in sorted(placed.items()) if t.num_gpu > 0)
+    pending = tuple(JobDemand(f"t{idx}", gpus=t.num_gpu, gpu_milli=t.gpu_milli if t.num_gpu else MILLI,
+                              allowed_models=tuple(sorted(t.gpu_models)) if t.gpu_models else (),
+                              cpu_milli=t.cpu_milli, memory_mb=t.memory_mib, submitted_at=float(idx))
+                    for idx, t in batch)
+    return Snapshot(now=0.0, nodes=tuple(nodes), pending=pending, running=running, workload=workload, seed=seed)
+
+
+def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workload: Workload,
+                      every: int = 64, seed: int = 0, policy: Policy | None = None,
+                      schedule: Callable[[Snapshot, Policy | None], Plan] | None = None) -> ProtocolRun:
+    if schedule is None:
+        from scheduling.engine import schedule as engine_schedule
+        schedule = engine_schedule
+    cluster.reset()
+    index = {n: i for i, n in enumerate(cluster.names)}
+    wl = tuple(WorkloadClass(c.num_gpu, c.gpu_milli or MILLI, c.weight, c.cpu_milli, c.memory_mib,
+                             tuple(sorted(c.gpu_models)) if c.gpu_models else ()) for c in workload.classes)
+    placed: dict[int, tuple[TaskSpec, int, list[int]]] = {}
+    migrations = 0
+    batch: list[tuple[int, TaskSpec]] = []
+    for i, t in enumerate(arrivals):
+        batch.append((i, t))
+        if len(batch) < every and i < len(arrivals) - 1:
+            continue
+        plan = schedule(_snapshot(cluster, batch, placed, wl, seed), policy)
+        for m in plan.migrations:  # defragmentation: source first, then target
+            idx = int(m.job_id[1:])
+            task, node, gpus = placed.pop(idx)
+            cluster.release(node, gpus, task)
+            dest = index[m.to.node_id]  # type: ignore[index]
+            cluster.place(dest, list(m.to.gpu_indices), task)
+            placed[idx] = (task, dest, list(m.to.gpu_indices))
+            migrations += 1
+        tasks = dict(batch)
+        for p in plan.placements:
+            idx = int(p.job_id[1:])
+            node = index[p.parts[0].node_id]  # type: ignore[index]
+            gpus = list(p.parts[0].gpu_indices) if tasks[idx].num_gpu else []
+            cluster.place(node, gpus, tasks[idx])
+            placed[idx] = (tasks[idx], node, gpus)
+        batch = []
+    demand = np.array([t.total_milli for t in arrivals], dtype=np.float64)
+    got = np.zeros(len(arrivals))
+    for idx in placed:
+        got[idx] = demand[idx]
+    total = cluster.total_gpu_milli
+    run = ProtocolRun(100.0 * np.cumsum(demand) / total, 100.0 * np.cumsum(got) / total)
+    run.dropped = len(arrivals) - len(placed)
+    return run
