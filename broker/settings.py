@@ -210,6 +210,7 @@ CELERY_BEAT_SCHEDULE = {
     "scheduling-sweep": {"task": "scheduler.sweep", "schedule": WHALEZEN_CYCLE_SECONDS},
     "provisioning-sweep": {"task": "provisioning.sweep", "schedule": 30.0},
     "agents-mark-lost": {"task": "agents.mark_lost", "schedule": 10.0},
+    "refresh-offers": {"task": "provisioning.refresh_offers", "schedule": 900.0},
 }
 
 LOGGING = {

@@ -17,12 +17,14 @@ from broker.inventory.services import gpu_model_resolve
 from broker.provisioning.factory import provider_for_pool
 from broker.tenancy.models import Tenant
 from providers.base import Offer, ProviderError
+from providers.catalog.availability import AvailabilityReport, AwsAvailability, GcpAvailability, refresh_availability
 from scheduling import model as sm
 
 log = logging.getLogger(__name__)
 CLOUD_KINDS = (PoolKind.AWS, PoolKind.GCP, PoolKind.LOCAL)
 LIVE_INSTANCE_STATES = (InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING)
-OFFER_CACHE_SECONDS = 300
+# Refreshed by the provisioning.refresh_offers task; a cycle refreshes on its own when the cache is cold.
+OFFER_CACHE_SECONDS = 3600
 FAST_FABRICS = {"efa", "infiniband", "gpudirect-tcpx", "gpudirect-tcpxo", "roce"}
 
 
@@ -32,17 +34,38 @@ class OfferRef:
     offer: Offer
 
 
+def _cache_key(pool: Pool) -> str:
+    config = hashlib.sha1(repr(sorted(pool.provider_config.items())).encode()).hexdigest()
+    return f"wz:offers:{pool.pk}:{config}"
+
+
+def _availability_source(pool: Pool, provider):
+    """Where a provider says which types are sold in which zones now (None: the catalogue is all we have)."""
+    if pool.kind == PoolKind.AWS:
+        return AwsAvailability(provider.client)
+    if pool.kind == PoolKind.GCP and pool.provider_config.get("project"):
+        return GcpAvailability(provider.accelerator_types_client(), pool.provider_config["project"])
+    return None
+
+
+def pool_offers_refresh(*, pool: Pool) -> AvailabilityReport:
+    """Catalogue offers of the pool with today's availability from the provider's API, cached."""
+    provider = provider_for_pool(pool)
+    offers = provider.list_offers()
+    source = _availability_source(pool, provider)
+    report = refresh_availability(offers, source) if source is not None else AvailabilityReport(offers=list(offers))
+    cache.set(_cache_key(pool), report.offers, OFFER_CACHE_SECONDS)
+    return report
+
+
 def _pool_offers(pool: Pool) -> list[Offer]:
-    """The provider's offers, cached a few minutes (the AWS one asks describe_instance_types)."""
-    key = f"wz:offers:{pool.pk}:{hashlib.sha1(repr(sorted(pool.provider_config.items())).encode()).hexdigest()}"
-    offers = cache.get(key)
+    offers = cache.get(_cache_key(pool))
     if offers is None:
         try:
-            offers = provider_for_pool(pool).list_offers()
+            offers = pool_offers_refresh(pool=pool).offers
         except ProviderError as exc:
             log.warning("offers of pool %s unavailable: %s", pool, exc)
             return []
-        cache.set(key, offers, OFFER_CACHE_SECONDS)
     return offers
 
 

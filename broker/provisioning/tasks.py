@@ -7,6 +7,7 @@ from celery import shared_task
 from django.conf import settings
 
 from broker.inventory.models import CloudInstance, InstanceState
+from broker.provisioning.offers import pool_offers_refresh
 from broker.provisioning.reconcile import all_cloud_pools, pool_reconcile
 from broker.provisioning.services import idle_instances, instance_provision, instance_terminate
 from providers.base import ProviderError
@@ -39,3 +40,17 @@ def provisioning_sweep() -> None:
         summary = pool_reconcile(pool=pool)
         if summary.adopted or summary.orphans_terminated or summary.lost or summary.errors:
             log.info("reconciled %s", summary)
+
+
+@shared_task(name="provisioning.refresh_offers", ignore_result=True)
+def refresh_offers() -> None:
+    """Periodic: which catalogue offers each cloud pool can launch now (new zones, retired types)."""
+    for pool in all_cloud_pools():
+        try:
+            report = pool_offers_refresh(pool=pool)
+        except ProviderError as exc:
+            log.warning("refreshing offers of %s failed: %s", pool, exc)
+            continue
+        if report.became_available or report.became_unavailable or report.errors:
+            log.info("offers of %s: %d became available, %d unavailable, errors: %s", pool,
+                     report.became_available, report.became_unavailable, report.errors)

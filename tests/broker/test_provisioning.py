@@ -21,6 +21,9 @@ from .test_api_tenancy import submit
 
 @pytest.fixture
 def aws_pool(acme, moto_endpoint, moto_ami, settings):  # noqa: F811
+    from django.core.cache import cache
+
+    cache.clear()  # offers are cached per pool (in Redis when REDIS_URL is set)
     settings.WHALEZEN_BROKER_ID = f"wz-broker-test-{acme.tenant.pk}-{id(settings)}"
     for node in acme.nodes:  # no on-prem capacity: the job must burst
         node.state = "OFFLINE"
@@ -145,3 +148,32 @@ def test_idle_instance_is_terminated_only_when_the_provider_confirms(acme, aws_p
     instance.refresh_from_db()
     assert instance.state in (InstanceState.TERMINATING, InstanceState.TERMINATED)
     assert running_ours(moto_endpoint, settings.WHALEZEN_BROKER_ID) == []
+
+
+def test_offers_follow_the_providers_availability(acme, aws_pool, monkeypatch):
+    """The catalogue says where a type is priced; the provider's API says where it is sold today."""
+    from django.core.cache import cache
+
+    from broker.provisioning import offers as offers_module
+    from broker.provisioning.tasks import refresh_offers
+
+    cache.clear()
+    all_types = {o.instance_type for o in offers_module.cloud_offers(tenant=acme.tenant)[0]}
+    assert len(all_types) > 3
+
+    class OnlyG4dn:
+        provider = "aws"
+
+        def offered(self, region):
+            return {(zone, "g4dn.xlarge") for zone in ("us-east-1a", "us-east-1b", "use1-az1", "use1-az2",
+                                                       "use1-az4", "use1-az5", "use1-az6")}
+
+    monkeypatch.setattr(offers_module, "_availability_source", lambda pool, provider: OnlyG4dn())
+    refresh_offers()
+    remaining = offers_module.cloud_offers(tenant=acme.tenant)[0]
+    assert remaining and {o.instance_type for o in remaining} == {"g4dn.xlarge"}
+    job = submit(acme, resources={"gpus": 8}, placement={"providers": ["aws"]})
+    scheduling_cycle_run(tenant=acme.tenant)
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING and CloudInstance.objects.count() == 0
+    cache.clear()
