@@ -80,3 +80,17 @@ def test_workload_from_tasks_coverage_and_order() -> None:
 def test_weights_must_sum_to_one() -> None:
     with pytest.raises(ValueError):
         Workload((TaskClass(0, 1000, 1, 0.5),))
+
+
+def test_lookahead_measure_equals_fgd_at_power_one_and_keeps_only_dust_when_long_sighted() -> None:
+    from scheduling.fragmentation import lookahead_fragmentation_batch
+
+    wl = normalise([TaskClass(1000, 1000, 1, 1.0), TaskClass(1000, 500, 1, 1.0), TaskClass(1000, 0, 0, 0.5)])
+    g = np.array([[1000, 300], [600, 0], [1000, 1000]])
+    cpu = np.array([8000, 8000, 500])
+    fgd = fragmentation_batch(g, cpu, wl)
+    assert lookahead_fragmentation_batch(g, cpu, wl, power=1.0).tolist() == pytest.approx(fgd.tolist())
+    # q per GPU: a full GPU is usable by 0.8 of the mix, a 600 share by 0.4, 300 by nothing.
+    # power 3: 1000 * 0.2^3 + 300 = 308;  600 * 0.6^3 = 129.6;  no CPU on node 3: all 2000 stay.
+    out = lookahead_fragmentation_batch(g, cpu, wl, power=3.0)
+    assert out.tolist() == pytest.approx([308.0, 129.6, 2000.0])
