@@ -62,7 +62,7 @@ def test_broker_places_hardest_first_within_a_cycle() -> None:
     arrivals = [TaskSpec("small", 1000, 0, 1, 1000), TaskSpec("small2", 1000, 0, 1, 1000),
                 TaskSpec("pair", 1000, 0, 2, 1000)]
     cluster = ArrayCluster(nodes)
-    run = run_broker(cluster, arrivals, WL, np.random.default_rng(0), every=3, max_moves=0)
+    run = run_broker(cluster, arrivals, WL, np.random.default_rng(0), every=3, max_moves=0, order="hardest")
     assert run.dropped == 1  # 4 GPUs asked, 3 exist
     assert cluster.gpu_free[0].tolist() == [0, 0]  # "pair" got node a
     assert run.alloc_pct[-1] == pytest.approx(100.0)
