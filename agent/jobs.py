@@ -120,6 +120,8 @@ class JobExit:
     message: str
     reason: str  # exit | exit_code | signal | requested | withdrawn | agent_shutdown | new_node
     gpu_indices: tuple[int, ...] = ()
+    # The end of the job's output, so its owner can see why it failed without a shell on the node.
+    output_tail: str = ""
 
 
 @dataclass
@@ -285,18 +287,36 @@ class JobRunner:
         return exits
 
 
+OUTPUT_TAIL_BYTES = 4000
+
+
+def output_tail(workdir: Path, limit: int = OUTPUT_TAIL_BYTES) -> str:
+    """The last `limit` bytes of the job's combined stdout/stderr (job.log), decoded leniently."""
+    path = workdir / "job.log"
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - limit))
+            return handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def _exit_of(job: RunningJob, code: int) -> JobExit:
     a = job.assignment
+    tail = output_tail(job.workdir)
     if job.stop_reason is not None:
         how = f"exit code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
         return JobExit(a.id, a.job_id, a.epoch, "stopped", code, f"{job.stop_reason} ({how})",
-                       job.stop_code or "requested", a.gpu_indices)
+                       job.stop_code or "requested", a.gpu_indices, tail)
     if code == 0:
-        return JobExit(a.id, a.job_id, a.epoch, "exited", 0, "exited with code 0", "exit", a.gpu_indices)
+        return JobExit(a.id, a.job_id, a.epoch, "exited", 0, "exited with code 0", "exit", a.gpu_indices, tail)
     if code < 0:
         return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"killed by signal {_signal_name(-code)}", "signal",
-                       a.gpu_indices)
-    return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"exited with code {code}", "exit_code", a.gpu_indices)
+                       a.gpu_indices, tail)
+    return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"exited with code {code}", "exit_code", a.gpu_indices,
+                   tail)
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

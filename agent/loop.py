@@ -452,8 +452,11 @@ class Agent:
             self._sample(self.clock())
             failed_gpus = {str(r.index): list(r.health_reasons) for r in self.last_sample
                            if r.index in exit_.gpu_indices and r.health is Health.FAILED}
+        extra: dict[str, Any] = {"failed_gpus": failed_gpus} if failed_gpus else {}
+        if exit_.output_tail:
+            extra["output_tail"] = exit_.output_tail
         self._queue(exit_.assignment_id, exit_.job_id, exit_.epoch, exit_.state, exit_.exit_code, exit_.message,
-                    reason=exit_.reason, extra={"failed_gpus": failed_gpus} if failed_gpus else None)
+                    reason=exit_.reason, extra=extra or None)
         self.backend.note_busy_gpus(self.runner.busy_gpus())
 
     def _fence_orphans(self) -> None:

@@ -112,6 +112,8 @@ class StatusSerializer(serializers.Serializer):
     message = serializers.CharField(max_length=2000, required=False, allow_blank=True)
     pid = _nullable_int(min_value=0)
     job_id = serializers.CharField(max_length=32, required=False)
+    # The end of the job's output (the agent sends about 4 KB), shown to the job's owner in its events.
+    output_tail = serializers.CharField(max_length=16384, required=False, allow_blank=True, trim_whitespace=False)
     # GPU index -> health reasons, for a job that failed on a GPU the agent now sees as FAILED.
     failed_gpus = serializers.DictField(child=serializers.ListField(child=serializers.CharField(max_length=500),
                                                                     max_length=32), required=False)

@@ -232,7 +232,8 @@ def agent_report_status(*, node: Node, allocation_id: str, data: dict[str, Any])
     event_append(job=job, kind="agent", reason_code=f"AGENT_{state.upper()}",
                  message=f"{node.name}: {data.get('message') or state}",
                  data={"node": node.name, "allocation": allocation.pk, "state": state, "reason": reason,
-                       "exit_code": data.get("exit_code"), "pid": data.get("pid")})
+                       "exit_code": data.get("exit_code"), "pid": data.get("pid"),
+                       **({"output_tail": data["output_tail"]} if data.get("output_tail") else {})})
     failed_gpus = {int(k): v for k, v in (data.get("failed_gpus") or {}).items()}
     if failed_gpus:
         # Do not wait for the next heartbeat: nothing new may be placed on these GPUs.

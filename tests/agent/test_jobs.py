@@ -168,3 +168,13 @@ def test_invalid_assignments_are_explained(change, fragment):
     with pytest.raises(AssignmentInvalid) as err:
         Assignment.from_json(data)
     assert fragment in str(err.value)
+
+
+def test_exit_report_carries_the_end_of_the_jobs_output(tmp_path):
+    runner = JobRunner(tmp_path, base_env={"PATH": "/usr/bin:/bin"})
+    script = "for i in $(seq 1 2000); do echo line $i; done; echo 'Traceback: boom' >&2; exit 3"
+    runner.start(assignment(command=script), node_id=None)
+    (exit_,) = wait_for(runner.poll, what="job exit")
+    assert exit_.state == "failed" and exit_.output_tail.endswith("Traceback: boom\n")
+    assert "line 2000" in exit_.output_tail and "line 1\n" not in exit_.output_tail
+    assert len(exit_.output_tail.encode()) <= 4000

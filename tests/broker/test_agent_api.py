@@ -422,3 +422,14 @@ def test_agent_endpoints_are_not_in_the_public_api_document(client):
 
     schema = yaml.safe_load(client.get("/api/schema/").content)
     assert not [p for p in schema["paths"] if "/agent/" in p]
+
+
+def test_the_owner_sees_the_end_of_a_failed_jobs_output(acme, registered):
+    node, token = registered
+    job, allocation = place(acme, node)
+    report(token, allocation, "running", reason="started", pid=5)
+    tail = "Traceback (most recent call last):\n  ...\nFileNotFoundError: train.py\n"
+    assert report(token, allocation, "failed", reason="exit_code", exit_code=1, output_tail=tail).status_code == 200
+    events = acme.client.get(f"/api/v1/jobs/{job.pk}/events/").json()["results"]
+    failed = [e for e in events if e["reason_code"] == "AGENT_FAILED"]
+    assert failed and failed[0]["data"]["output_tail"] == tail
