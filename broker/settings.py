@@ -177,6 +177,10 @@ WHALEZEN_OFFER_BLOCK_SECONDS = int(os.environ.get("WHALEZEN_OFFER_BLOCK_SECONDS"
 # A cloud instance with no job for this long is terminated; orphans older than the grace are too.
 WHALEZEN_IDLE_INSTANCE_SECONDS = int(os.environ.get("WHALEZEN_IDLE_INSTANCE_SECONDS", 600))
 WHALEZEN_ORPHAN_GRACE_SECONDS = int(os.environ.get("WHALEZEN_ORPHAN_GRACE_SECONDS", 900))
+# A placed job not started by its node within this time, or an instance not registered within the
+# boot timeout, is given up on and its jobs are placed again.
+WHALEZEN_START_TIMEOUT_SECONDS = int(os.environ.get("WHALEZEN_START_TIMEOUT_SECONDS", 600))
+WHALEZEN_BOOT_TIMEOUT_SECONDS = int(os.environ.get("WHALEZEN_BOOT_TIMEOUT_SECONDS", 1200))
 
 # Largest request body the API parses; bigger ones get a 400 naming `body`.
 WHALEZEN_MAX_BODY_BYTES = int(os.environ.get("WHALEZEN_MAX_BODY_BYTES", 256 * 1024))

@@ -177,3 +177,24 @@ def test_offers_follow_the_providers_availability(acme, aws_pool, monkeypatch):
     job.refresh_from_db()
     assert job.state == JobState.PENDING and CloudInstance.objects.count() == 0
     cache.clear()
+
+
+def test_an_instance_that_never_registers_is_terminated_and_its_job_requeued(acme, aws_pool, moto_endpoint, settings):  # noqa: F811
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from broker.scheduler.timeouts import stalled_boots_retire
+
+    job = submit(acme, resources={"gpus": 1}, placement={"providers": ["aws"]})
+    instance = CloudInstance.objects.get(pk=scheduling_cycle_run(tenant=acme.tenant).launched[0])
+    instance = provisioning.instance_provision(instance=instance)
+    assert stalled_boots_retire() == []
+    CloudInstance.objects.filter(pk=instance.pk).update(
+        created_at=timezone.now() - timedelta(seconds=settings.WHALEZEN_BOOT_TIMEOUT_SECONDS + 1))
+    assert stalled_boots_retire() == [instance.pk]
+    job.refresh_from_db()
+    instance.refresh_from_db()
+    assert job.state == JobState.PENDING and job.pending_reason_code == "BOOT_TIMEOUT"
+    assert instance.state in (InstanceState.TERMINATING, InstanceState.TERMINATED)
+    assert running_ours(moto_endpoint, settings.WHALEZEN_BROKER_ID) == []

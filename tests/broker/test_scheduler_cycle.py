@@ -138,3 +138,19 @@ def test_a_real_celery_worker_places_jobs_through_redis(acme, tmp_path):
             worker.kill()
         connection.close()
     assert is_postgres()
+
+
+def test_a_job_its_node_never_starts_is_placed_again(acme, settings):
+    from broker.scheduler.timeouts import stalled_starts_requeue
+
+    settings.WHALEZEN_START_TIMEOUT_SECONDS = 600
+    job = submit(acme, resources={"gpus": 1})
+    scheduling_cycle_run(tenant=acme.tenant)
+    job.refresh_from_db()
+    assert job.state == JobState.PLACED
+    assert stalled_starts_requeue() == [], "within the time limit nothing happens"
+    Job.objects.filter(pk=job.pk).update(updated_at=timezone.now() - timedelta(seconds=601))
+    assert stalled_starts_requeue() == [job.pk]
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING and job.pending_reason_code == "START_TIMEOUT"
+    assert not job.allocations.filter(active=True).exists(), "its GPUs were released"
