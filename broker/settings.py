@@ -210,6 +210,8 @@ CELERY_TASK_TIME_LIMIT = 600
 CELERY_TASK_SOFT_TIME_LIMIT = 540
 CELERY_TASK_IGNORE_RESULT = True
 WHALEZEN_CYCLE_SECONDS = float(os.environ.get("WHALEZEN_CYCLE_SECONDS", 5))
+# A worker killed mid-cycle holds its tenant's cycle lease at most this long.
+WHALEZEN_CYCLE_LEASE_SECONDS = int(os.environ.get("WHALEZEN_CYCLE_LEASE_SECONDS", 120))
 CELERY_BEAT_SCHEDULE = {
     "scheduling-sweep": {"task": "scheduler.sweep", "schedule": WHALEZEN_CYCLE_SECONDS},
     "provisioning-sweep": {"task": "provisioning.sweep", "schedule": 30.0},

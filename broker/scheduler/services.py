@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
@@ -28,7 +29,6 @@ from scheduling import model as sm
 from scheduling.engine import schedule
 
 log = logging.getLogger(__name__)
-LEASE_SECONDS = 120
 # Moves need the checkpoint/migration state machine on the agents; until then the broker asks the
 # engine for placements and preemptions only.
 BROKER_POLICY = sm.Policy(defragmentation=False, time_limit_s=2.0)
@@ -49,7 +49,7 @@ def _lease_acquire(tenant: Tenant, holder: str) -> int | None:
     now = timezone.now()
     CycleLease.objects.get_or_create(tenant=tenant)
     taken = CycleLease.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__lt=now), tenant=tenant).update(
-        holder=holder, expires_at=now + timedelta(seconds=LEASE_SECONDS), cycles=F("cycles") + 1)
+        holder=holder, expires_at=now + timedelta(seconds=settings.WHALEZEN_CYCLE_LEASE_SECONDS), cycles=F("cycles") + 1)
     if not taken:
         return None
     return CycleLease.objects.get(tenant=tenant).cycles
