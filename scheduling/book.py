@@ -75,7 +75,7 @@ class Book:
             return packer
         target = self.problem.targets[target_index]
         if target.kind == "node":
-            packer = TargetPacker([self.caps[p] for p in target.members])
+            packer = TargetPacker([self.caps[p] for p in target.members], strands=self._strands())
             for inside, position in enumerate(target.members):
                 self.node_slot[position] = (target_index, inside)
         else:
@@ -91,6 +91,35 @@ class Book:
             packer = TargetPacker([], grow)
         self.packers[target_index] = packer
         return packer
+
+    def _strands(self):
+        """For packers of multi-node shapes: does a part raise a node's stranded GPUs?"""
+        if getattr(self, "_strand_check", None) is None:
+            from scheduling.patterns import part_gpu_milli, stranding_coefficients, to_workload
+            from scheduling.problem import workload_classes
+
+            alpha, cpu_ratio, mem_ratio = (stranding_coefficients(to_workload(workload_classes(self.problem.snapshot)))
+                                           if self.problem.weights["fragmentation"] else (0.0, 0.0, 0.0))
+
+            def strands(cap: NodeCapacity, part: PartDemand) -> bool:
+                used = part_gpu_milli(part)
+                # A part within the mix's CPU and memory per GPU never raises stranding.
+                cpu_heavy = cpu_ratio > 0 and part.cpu_milli > used * cpu_ratio
+                mem_heavy = mem_ratio > 0 and part.memory_mb > used * mem_ratio
+                if not cpu_heavy and not mem_heavy:
+                    return False
+                # Stranded before: max(0, now_c, now_m); after: each term grows by what the part
+                # asks beyond the ratio, so it strands more iff an after-term exceeds the before.
+                total = sum(cap.free_milli)
+                now_c = total - cap.free_cpu / cpu_ratio if cpu_ratio > 0 else -1.0
+                now_m = total - cap.free_mem / mem_ratio if mem_ratio > 0 else -1.0
+                before = max(0.0, now_c, now_m)
+                after_c = now_c - used + part.cpu_milli / cpu_ratio if cpu_ratio > 0 else -1.0
+                after_m = now_m - used + part.memory_mb / mem_ratio if mem_ratio > 0 else -1.0
+                return max(after_c, after_m) > before + 1e-6
+
+            self._strand_check = strands if alpha else False
+        return self._strand_check or None
 
     def place_job(self, job: JobDemand, target_index: int, part: PartDemand) -> Placement | None:
         """Best-fit the job's gang into one target; commit it, or leave everything as it was."""

@@ -19,7 +19,9 @@ from scheduling.book import Book
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, Policy, Snapshot, SolverInfo
 from scheduling.objective import evaluate
-from scheduling.patterns import node_fragmentation_gpus, to_workload
+from scheduling.patterns import (
+    node_fragmentation_gpus, part_gpu_milli, stranding_coefficients, to_workload,
+)
 from scheduling.problem import Problem, workload_classes
 from scheduling.solver import Costs, solve
 from scheduling.targets import offer_node
@@ -68,6 +70,7 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
     cpu: dict[int, list[tuple[pulp.LpVariable, int]]] = {}
     mem: dict[int, list[tuple[pulp.LpVariable, int]]] = {}
     tenant_terms: dict[str, list[tuple[pulp.LpVariable, float, float, float]]] = {}
+    strand_terms: dict[int, list[tuple[pulp.LpVariable, PartDemand]]] = {}
     for demand_class in problem.classes:
         by_target = {c.target: c for c in demand_class.candidates}
         for job_id in demand_class.job_ids:
@@ -82,6 +85,8 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
                 # Per job, not per class: a class may pool jobs of different durations.
                 job_money = candidate.hourly * problem.pricing.runtime_hours(job, model)
                 money = weights["money"] * job_money / max(1, job.nodes)
+                if unit.position is not None:  # the part's host cost, as the MILP and `evaluate`
+                    money += weights["fragmentation"] * candidate.host_cost
                 share = problem.pricing.gpu_share(job, model) / max(1, job.nodes)
                 cus = problem.pricing.compute_units(job, model) / max(1, job.nodes)
                 keys: list[object]
@@ -100,6 +105,8 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
                     options.append((var, u, part, key))
                     per_unit_any.setdefault(u, []).append(var)
                     cpu.setdefault(u, []).append((var, part.cpu_milli))
+                    if unit.position is not None:
+                        strand_terms.setdefault(u, []).append((var, part))
                     mem.setdefault(u, []).append((var, part.memory_mb))
                     tenant_terms.setdefault(job.tenant, []).append((var, share, cus, job_money / max(1, job.nodes)))
                     if part.gpus and not part.fractional:
@@ -171,6 +178,8 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
                 for p in whole_positions[:n]:
                     after[p] = 0
                 objective.append((v, weights["fragmentation"] * (node_fragmentation_gpus(after, cap, workload) - before)))
+        if not is_instance and u in strand_terms:
+            _stranding(prob, objective, u, cap, strand_terms[u], weights["fragmentation"], workload)
         if is_instance:
             target = problem.targets[unit.target]
             overhead = problem.snapshot.weights.launch_overhead_hours * target.instance_price
@@ -270,3 +279,22 @@ def optimality_gap(snapshot: Snapshot, policy: Policy | None = None) -> dict[str
     gap = 0.0 if abs(a - b) < 1e-9 else 100.0 * (a - b) / max(abs(b), 1e-9)
     return {"engine_objective": a, "exact_objective": b, "gap_pct": gap, "engine_method": fast.solver.method,
             "exact_proven": exact.solver.proven_optimal}
+
+
+def _stranding(prob: pulp.LpProblem, objective: Costs, u: int, cap: NodeCapacity,
+               terms: list[tuple[pulp.LpVariable, PartDemand]], weight: float, workload) -> None:
+    """CPU/memory stranding of one owned node, exactly as `objective.stranding_change`:
+    s >= 0, s >= stranded GPUs after (per resource), charged alpha x s (the stranding before the
+    cycle is a constant: the plan is scored by `objective.evaluate`)."""
+    alpha, cpu_ratio, mem_ratio = stranding_coefficients(workload)
+    if not alpha or not weight:
+        return
+    stranded = pulp.LpVariable(f"strand_{u}", 0, None)
+    gpu_total = sum(cap.free_milli)
+    for ratio, free, need in ((cpu_ratio, cap.free_cpu, "cpu_milli"), (mem_ratio, cap.free_mem, "memory_mb")):
+        if ratio <= 0:
+            continue
+        expression = [(var, (-part_gpu_milli(part) + getattr(part, need) / ratio) / WHOLE_GPU_MILLI)
+                      for var, part in terms]
+        prob += stranded >= pulp.LpAffineExpression(expression, constant=(gpu_total - free / ratio) / WHOLE_GPU_MILLI)
+    objective.append((stranded, weight * alpha))

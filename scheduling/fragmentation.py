@@ -269,3 +269,39 @@ def lookahead_fragmentation_batch(
     ok &= milli[None, :] > 0
     q = np.einsum("nkg,k->ng", (usable & ok[:, :, None]).astype(np.float64), workload.weights)
     return (g * np.clip(1.0 - q, 0.0, 1.0) ** power).sum(axis=1)
+
+
+def mix_ratios(workload: Workload) -> tuple[float, float]:
+    """Expected CPU milli and memory MiB per milli-GPU over the GPU classes of the mix (0 when
+    the mix has no GPU class): the rates at which the average GPU task uses host resources."""
+    w = workload.weights
+    gpu = workload.gpu_milli * workload.num_gpu
+    has = gpu > 0
+    g = float((w * gpu)[has].sum())
+    if g <= 0:
+        return 0.0, 0.0
+    return float((w * workload.cpu)[has].sum()) / g, float((w * workload.mem)[has].sum()) / g
+
+
+def stranded_batch(
+    gpu_free: np.ndarray,
+    cpu_free: np.ndarray,
+    cpu_per_gpu: float,
+    mem_free: np.ndarray | None = None,
+    mem_per_gpu: float = 0.0,
+) -> np.ndarray:
+    """GPU capacity (milli) N nodes will not sell because CPU (or memory) runs out first if they
+    keep receiving the mix's average GPU task (WhaleZen's stranding look-ahead)::
+
+        max(0, gpu_free - cpu_free / cpu_per_gpu, gpu_free - mem_free / mem_per_gpu)
+
+    ``gpu_free``: (N, G) free milli per GPU; ``cpu_free``, ``mem_free``: (N,); a ratio of 0
+    switches that resource off.
+    """
+    total = np.asarray(gpu_free, dtype=np.int64).sum(axis=1).astype(np.float64)
+    out = np.zeros_like(total)
+    if cpu_per_gpu > 0:
+        out = np.maximum(out, total - np.asarray(cpu_free, dtype=np.float64) / cpu_per_gpu)
+    if mem_per_gpu > 0 and mem_free is not None:
+        out = np.maximum(out, total - np.asarray(mem_free, dtype=np.float64) / mem_per_gpu)
+    return out

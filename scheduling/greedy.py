@@ -7,8 +7,11 @@ reports which one it used.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from scheduling.book import Book
-from scheduling.problem import Candidate, Problem
+from scheduling.patterns import part_gpu_milli, stranded_gpus, stranding_coefficients, to_workload
+from scheduling.problem import Candidate, Problem, workload_classes
 
 
 def greedy_order(problem: Problem, job_ids: list[str]) -> list[str]:
@@ -21,14 +24,59 @@ def greedy_order(problem: Problem, job_ids: list[str]) -> list[str]:
 
 def candidate_order(problem: Problem, candidates: list[Candidate]) -> list[Candidate]:
     # Owned nodes before launches at equal price: a launch also costs boot time and overhead.
-    return sorted(candidates, key=lambda c: (round(c.money, 6), problem.targets[c.target].kind != "node",
+    # Money plus the node-cost change of the job alone on the target (CPU/memory stranding and
+    # fragmentation), weighted as in the objective.
+    money, fragmentation = problem.weights["money"], problem.weights["fragmentation"]
+    return sorted(candidates, key=lambda c: (round(money * c.money + fragmentation * c.fit_cost, 6),
+                                             problem.targets[c.target].kind != "node",
                                              problem.targets[c.target].key))
+
+
+def _key(problem: Problem, candidate: Candidate, fit: float) -> tuple:
+    target = problem.targets[candidate.target]
+    return (round(problem.weights["money"] * candidate.money + problem.weights["fragmentation"] * fit, 6),
+            target.kind != "node", target.key)
+
+
+def _current_order(problem: Problem, book: Book, keyed: list[tuple[tuple, Candidate]],
+                   by_target: dict[int, tuple[tuple, Candidate]], touched: set[int],
+                   coefficients: tuple[float, float, float]):
+    """`candidate_order` with the stranding part of the fit cost of one-node targets this pass
+    already placed on recomputed from the node as it is now (a static cost let a pass pile a
+    whole class onto one node: each member was priced as if it were alone there). The
+    static order with the few re-priced candidates re-sorted in; None when none of the class's
+    targets was touched (the static order stands)."""
+    alpha, cpu_ratio, mem_ratio = coefficients
+    changed = []
+    for t in touched:
+        entry = by_target.get(t)
+        if entry is None:
+            continue
+        candidate = entry[1]
+        cap = book.caps[problem.targets[t].members[0]]
+        part = candidate.part
+        total = sum(cap.free_milli)
+        now = stranded_gpus(total, cap.free_cpu, cap.free_mem, cpu_ratio, mem_ratio)
+        after = stranded_gpus(max(0, total - part_gpu_milli(part)), max(0, cap.free_cpu - part.cpu_milli),
+                              max(0, cap.free_mem - part.memory_mb), cpu_ratio, mem_ratio)
+        fit = candidate.fit_cost - candidate.strand_cost + alpha * (after - now)
+        changed.append((_key(problem, candidate, fit), candidate))
+    if not changed:
+        return None
+    merged = [entry for entry in keyed if entry[1].target not in touched] + changed
+    merged.sort(key=itemgetter(0))
+    return [candidate for _, candidate in merged]
 
 
 def place_greedily(problem: Problem, book: Book, job_ids: list[str]) -> list[str]:
     """Place what fits, in greedy order; return the job ids left unplaced (in that order)."""
     unplaced = []
     ordered_candidates: dict[int, list[Candidate]] = {}
+    keyed_candidates: dict[int, tuple[list, dict]] = {}
+    coefficients = stranding_coefficients(to_workload(workload_classes(problem.snapshot))) \
+        if problem.weights["fragmentation"] else (0.0, 0.0, 0.0)
+    # One-node shapes placed on in this pass (their stranding cost has changed).
+    touched: set[int] = set()
     # Capacity only shrinks during a greedy pass, so a target that could not take a member of a
     # class cannot take the next member either: skip it (this keeps the pass linear).
     exhausted: set[tuple[int, int]] = set()
@@ -38,7 +86,14 @@ def place_greedily(problem: Problem, book: Book, job_ids: list[str]) -> list[str
         if class_index not in ordered_candidates:
             ordered_candidates[class_index] = candidate_order(problem, problem.classes[class_index].candidates)
         waiting_cost = problem.classes[class_index].waiting_cost
-        for candidate in ordered_candidates[class_index]:
+        candidates = ordered_candidates[class_index]
+        if touched and coefficients[0]:
+            if class_index not in keyed_candidates:
+                keyed = [(_key(problem, c, c.fit_cost), c) for c in candidates]
+                keyed_candidates[class_index] = (keyed, {c.target: (k, c) for k, c in keyed})
+            candidates = _current_order(problem, book, *keyed_candidates[class_index], touched,
+                                        coefficients) or candidates
+        for candidate in candidates:
             if (class_index, candidate.target) in exhausted:
                 continue
             # The objective's own trade-off: a job whose run here costs more than leaving it
@@ -50,6 +105,8 @@ def place_greedily(problem: Problem, book: Book, job_ids: list[str]) -> list[str
             if not book.admits(job, target):
                 continue
             if book.place_job(job, candidate.target, candidate.part) is not None:
+                if target.kind == "node" and target.count == 1:
+                    touched.add(candidate.target)
                 break
             exhausted.add((class_index, candidate.target))
         else:

@@ -27,7 +27,8 @@ import pulp
 
 from scheduling.model import WHOLE_GPU_MILLI
 from scheduling.patterns import (
-    ItemType, Pattern, enumerate_instance_patterns, enumerate_patterns, node_fragmentation_gpus, to_workload,
+    ItemType, Pattern, enumerate_instance_patterns, enumerate_patterns, node_fragmentation_gpus, part_gpu_milli,
+    stranding_coefficients, to_workload,
 )
 from scheduling.problem import Problem, workload_classes
 from scheduling.solver import MIP_GAP_ABS, Costs, SolveResult, solve
@@ -83,7 +84,8 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
             c, t = demand_class.index, candidate.target
             upper = demand_class.size * max(1, job.nodes)
             x[c, t] = pulp.LpVariable(f"x_{c}_{t}", 0, upper, cat=pulp.LpInteger)
-            objective.append((x[c, t], weights["money"] * candidate.money / max(1, job.nodes)))
+            objective.append((x[c, t], weights["money"] * candidate.money / max(1, job.nodes)
+                              + weights["fragmentation"] * candidate.host_cost))
             by_target.setdefault(t, []).append(c)
 
     # Class totals: placed + slack == members.
@@ -159,6 +161,7 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
         prob += cpu <= cpu_pool * instances, f"cpu_{t}"
         prob += mem <= mem_pool * instances, f"mem_{t}"
         _host_bin_cuts(prob, x, t, class_indices, parts, target.rep.free_cpu, target.rep.free_mem, target.count)
+        _stranding(problem, prob, x, t, class_indices, parts, objective, workload)
         # Gangs only use the CPU and memory of nodes whose pattern holds gangs, not of empty ones.
         gang_classes = [c for c in class_indices if parts[c].gpus and not parts[c].fractional]
         busy = pulp.lpSum(z[t, n] for n, pattern in enumerate(patterns) if pattern.gpus_used)
@@ -382,6 +385,35 @@ def _fractional_constraints(problem, prob, x, t, class_indices, parts, patterns,
         cost = (node_fragmentation_gpus(after, cap, workload)
                 - node_fragmentation_gpus(list(cap.free_milli), cap, workload))
     objective.append((open_gpus, problem.weights["fragmentation"] * max(0.0, cost) + 1e-3))
+
+
+def _stranding(problem: Problem, prob: pulp.LpProblem, x: dict, t: int, class_indices: list[int], parts: dict,
+               objective: "Costs", workload) -> None:
+    """CPU/memory stranding of shape t, pooled over its nodes: s >= 0 and, per resource,
+    s >= (free GPU - placed GPU - (free CPU - placed CPU) / ratio) in GPUs over the shape; charged
+    alpha x s (the constant stranding before the cycle left out). Per node it is convex, so the
+    pooled value is a lower bound of the per-node sum that `objective.evaluate` charges (exact
+    for the one-node shapes that partly used nodes form)."""
+    alpha, cpu_ratio, mem_ratio = stranding_coefficients(workload)
+    weight = problem.weights["fragmentation"] * alpha
+    if not weight:
+        return
+    target = problem.targets[t]
+    cap, count = target.rep, target.count
+    gpu_total = sum(cap.free_milli) * count
+    stranded = pulp.LpVariable(f"strand_{t}", 0, None)
+    for name, ratio, free, need in (("cpu", cpu_ratio, cap.free_cpu, "cpu_milli"),
+                                    ("mem", mem_ratio, cap.free_mem, "memory_mb")):
+        if ratio <= 0:
+            continue
+        terms = [(x[c, t], (-part_gpu_milli(parts[c]) + getattr(parts[c], need) / ratio) / WHOLE_GPU_MILLI)
+                 for c in class_indices]
+        terms = [(var, coefficient) for var, coefficient in terms if coefficient]
+        constant = (gpu_total - free * count / ratio) / WHOLE_GPU_MILLI
+        if not terms and constant <= 0:
+            continue
+        prob += stranded >= pulp.LpAffineExpression(terms, constant=constant), f"strand_{name}_{t}"
+    objective.append((stranded, weight))
 
 
 def _dff(share: float, k: int) -> float:

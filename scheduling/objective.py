@@ -20,7 +20,7 @@ from __future__ import annotations
 from scheduling.book import Book, launch_id
 from scheduling.capacity import NodeCapacity
 from scheduling.model import WHOLE_GPU_MILLI
-from scheduling.patterns import to_workload
+from scheduling.patterns import stranded_gpus, stranding_coefficients, to_workload
 from scheduling.problem import Problem, workload_classes
 
 
@@ -41,6 +41,10 @@ def evaluate(problem: Problem, book: Book, original: list[NodeCapacity] | None =
             if job_id not in placed:
                 total += demand_class.waiting_cost
     workload = to_workload(workload_classes(problem.snapshot))
+    if weights["fragmentation"]:
+        total += weights["fragmentation"] * _host_costs(problem, book)
+    if original is not None and weights["fragmentation"]:
+        total += weights["fragmentation"] * stranding_change(original, book.caps, workload)
     if original is not None and weights["fragmentation"] and workload is not None:
         before_caps, after_vectors = [], []
         for before, after in zip(original, book.caps):
@@ -72,12 +76,51 @@ def evaluate(problem: Problem, book: Book, original: list[NodeCapacity] | None =
     return total
 
 
+def stranding_change(original: list[NodeCapacity], caps: list[NodeCapacity], workload) -> float:
+    """alpha x (stranded GPUs after - before), summed over the owned nodes the cycle changed
+    (`patterns.stranded_gpus`, free totals of each node)."""
+    alpha, cpu_ratio, mem_ratio = stranding_coefficients(workload)
+    if not alpha:
+        return 0.0
+    total = 0.0
+    for before, after in zip(original, caps):
+        if before.free_cpu == after.free_cpu and before.free_mem == after.free_mem \
+                and before.free_milli == after.free_milli:
+            continue
+        total += (stranded_gpus(sum(after.free_milli), after.free_cpu, after.free_mem, cpu_ratio, mem_ratio)
+                  - stranded_gpus(sum(before.free_milli), before.free_cpu, before.free_mem, cpu_ratio, mem_ratio))
+    return alpha * total
+
+
+def _host_costs(problem: Problem, book: Book) -> float:
+    """Sum of `Candidate.host_cost` over the node-parts placed on owned nodes (by the shape each
+    node had when the cycle started)."""
+    shape_of = getattr(problem, "_shape_of_node", None)
+    if shape_of is None:
+        shape_of = {problem.capacities[p].node.id: t for t, target in enumerate(problem.targets)
+                    if target.kind == "node" for p in target.members}
+        problem._shape_of_node = shape_of  # type: ignore[attr-defined]
+    total = 0.0
+    by_class: dict[int, dict[int, float]] = {}
+    for job_id, placement in book.placements.items():
+        class_index = problem.class_of.get(job_id)
+        if class_index is None:
+            continue
+        costs = by_class.get(class_index)
+        if costs is None:
+            costs = by_class[class_index] = {c.target: c.host_cost for c in problem.classes[class_index].candidates}
+        for part in placement.parts:
+            if part.launch_id is None and part.node_id in shape_of:
+                total += costs.get(shape_of[part.node_id], 0.0)
+    return total
+
+
 def _fragmentation_sum(caps: list[NodeCapacity], workload, vectors: list[list[int]]) -> float:
-    """FGD (GPUs) of the nodes `caps` with free milli `vectors`, CPU as the cycle found it; one
-    vectorised call instead of `node_fragmentation_gpus` per node."""
+    """Fragmentation measure (GPUs, `patterns.node_cost_batch`) of the nodes `caps` with free milli
+    `vectors`, CPU as the cycle found it; one vectorised call instead of one per node."""
     import numpy as np
 
-    from scheduling.fragmentation import fragmentation_batch
+    from scheduling.patterns import node_cost_batch
 
     width = max(1, max(len(cap.free_milli) for cap in caps))
     gpu_free = np.zeros((len(caps), width), dtype=np.int64)
@@ -85,5 +128,4 @@ def _fragmentation_sum(caps: list[NodeCapacity], workload, vectors: list[list[in
         gpu_free[row, : len(vector)] = vector
     cpu = np.array([cap.free_cpu for cap in caps], dtype=np.int64)
     models = [cap.node.gpus[0].model if cap.node.gpus else "" for cap in caps]
-    access = workload.model_access(models)
-    return float(fragmentation_batch(gpu_free, cpu, workload, None, access).sum()) / WHOLE_GPU_MILLI
+    return float(node_cost_batch(gpu_free, cpu, models, workload).sum())

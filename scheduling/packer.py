@@ -2,10 +2,12 @@
 
 Indexed so each placement costs about O(log n) instead of a scan of every node:
 - nodes are bucketed by how many whole GPUs they have free; a gang of k GPUs goes to the fullest
-  node that still has k (best fit keeps big holes for big gangs, the FGD lesson);
+  node that still has k (best fit keeps big holes for big gangs, the FGD lesson), preferring one
+  where its CPU and memory strand no GPU (`strands`, when given);
 - shared GPUs sit in one list sorted by free milli; a fractional job takes the tightest GPU that
   fits, and only opens a whole GPU (on the node with the fewest whole GPUs left) when none does;
-- CPU-only jobs go to the nodes with the fewest free GPUs, where their CPU use strands least.
+- CPU-only jobs go to the nodes with the fewest free GPUs, where their CPU use strands least,
+  and among those to the one with the most free CPU (spread, not piled onto one node).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ LOOKAHEAD = 32
 
 
 class TargetPacker:
-    def __init__(self, caps: list[NodeCapacity], grow: Callable[[], NodeCapacity | None] | None = None) -> None:
+    def __init__(self, caps: list[NodeCapacity], grow: Callable[[], NodeCapacity | None] | None = None,
+                 strands: Callable[[NodeCapacity, PartDemand], bool] | None = None) -> None:
+        # strands(cap, part): would the part raise the node's CPU/memory-stranded GPUs? Gangs
+        # then go to the fullest node where it would not, if the first nodes of a bucket have one.
+        self.strands = strands
+        # Parts for which no node without stranding was found: capacity only shrinks within a
+        # cycle, so the look is not repeated for them (it cost a fifth of a 5,000-job cycle).
+        self.stranding_everywhere: set[PartDemand] = set()
         self.caps: list[NodeCapacity] = []
         self.buckets: dict[int, list[int]] = {}
         self.whole: list[int] = []
@@ -101,6 +110,21 @@ class TargetPacker:
 
     def _find_in_buckets(self, part: PartDemand, exclude: set[int], minimum: int) -> tuple[int, tuple[int, ...]] | None:
         levels = sorted(w for w in self.buckets if w >= minimum)
+        if part.gpus == 0:
+            return self._find_cpu_only(part, exclude, levels)
+        if self.strands is not None and part not in self.stranding_everywhere:
+            # Best fit among the nodes where the gang's CPU strands no GPU (a bounded look).
+            for whole in levels:
+                for index in self.buckets[whole][:LOOKAHEAD]:
+                    cap = self.caps[index]
+                    if index in exclude or cap.free_cpu < part.cpu_milli or cap.free_mem < part.memory_mb \
+                            or self.strands(cap, part):
+                        continue
+                    positions = cap.choose(part)
+                    if positions is not None:
+                        return index, positions
+            if not exclude:
+                self.stranding_everywhere.add(part)
         # Fast pass: the first few nodes of each bucket; full pass only when that finds nothing,
         # so a job that fits somewhere is never refused.
         for limit in (LOOKAHEAD, None):
@@ -114,6 +138,29 @@ class TargetPacker:
                     positions = cap.choose(part)
                     if positions is not None:
                         return index, positions
+            if all(len(self.buckets[w]) <= LOOKAHEAD for w in levels):
+                break
+        return None
+
+    def _find_cpu_only(self, part: PartDemand, exclude: set[int], levels: list[int]) -> tuple[int, tuple[int, ...]] | None:
+        """Fewest whole free GPUs first; among those, the node with the most free CPU (the first
+        such on ties). Stranding is convex per node: piling CPU-only jobs onto one node of a
+        shape strands its GPUs, spreading them over equal nodes does not (or less)."""
+        for limit in (LOOKAHEAD, None):
+            for whole in levels:
+                bucket = self.buckets[whole]
+                best, best_cpu = None, -1
+                for index in bucket if limit is None else bucket[:limit]:
+                    cap = self.caps[index]
+                    if index in exclude or cap.free_cpu < part.cpu_milli or cap.free_mem < part.memory_mb \
+                            or not cap.schedulable:
+                        continue
+                    if cap.free_cpu > best_cpu:
+                        best, best_cpu = index, cap.free_cpu
+                if best is not None:
+                    positions = self.caps[best].choose(part)
+                    if positions is not None:
+                        return best, positions
             if all(len(self.buckets[w]) <= LOOKAHEAD for w in levels):
                 break
         return None

@@ -32,6 +32,14 @@ class Candidate:
     part: PartDemand
     money: float  # dollars for the whole job at this target (all its nodes)
     hourly: float
+    # Fragmentation measure (GPUs) the part's CPU adds on a node of this shape after its whole
+    # GPUs are gone: charged per node-part by every method (offers: 0).
+    host_cost: float = 0.0
+    # The part's whole cost change alone on an untouched node of the shape (fragmentation of its
+    # GPUs and CPU, and CPU/memory stranding): only orders greedy's candidates.
+    fit_cost: float = 0.0
+    # The stranding part of fit_cost (alpha x stranded GPUs added), for greedy to update it.
+    strand_cost: float = 0.0
 
 
 @dataclass(slots=True)
@@ -143,8 +151,78 @@ def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapac
                                    waiting_cost=waiting * (0.1 + max(0.0, gpu_equivalent)))
         _fill_candidates(demand_class, targets, pricing, ctx, plugins)
         classes.append(demand_class)
+    if weights["fragmentation"]:
+        _price_host_costs(snapshot, targets, classes)
     return Problem(snapshot=snapshot, policy=policy, pricing=pricing, capacities=capacities, targets=targets,
                    classes=classes, ctx=ctx, weights=weights, reference_hours=reference_hours, plugins=plugins)
+
+
+def _price_host_costs(snapshot: Snapshot, targets: list[Target], classes: list[DemandClass]) -> None:
+    """Fill `Candidate.host_cost` and `fit_cost` for every (class, node shape) pair.
+
+    A part on a node of shape t with free GPUs G and CPU C first takes its whole GPUs (G -> G';
+    the pattern term charges frag(G', C) - frag(G, C)). Its host cost is what its CPU adds to the
+    fragmentation measure, frag(G', C - cpu) - frag(G', C). Its fit cost (greedy's order) is
+    frag(G', C - cpu) - frag(G, C) plus STRANDING_ALPHA x the change of the node's stranded GPUs
+    alone on an untouched node. One vectorised measure call over the distinct (shape, whole GPUs
+    taken, CPU) states."""
+    import numpy as np
+
+    from scheduling import fragmentation as fgd
+    from scheduling.patterns import STRANDING_ALPHA, node_cost_batch, stranding_ratios, to_workload
+
+    workload = to_workload(workload_classes(snapshot))
+    if workload is None:
+        return
+    cpu_ratio, mem_ratio = stranding_ratios(workload)
+    rows: dict[tuple[int, int, int], int] = {}
+    pairs: list[tuple[Candidate, tuple, tuple, tuple]] = []
+    for demand_class in classes:
+        for candidate in demand_class.candidates:
+            target = targets[candidate.target]
+            if target.kind != "node":
+                continue
+            part = candidate.part
+            taken = part.gpus if part.gpus and not part.fractional else 0
+            keys = ((candidate.target, 0, 0), (candidate.target, taken, 0),
+                    (candidate.target, taken, part.cpu_milli))
+            for key in keys:
+                rows.setdefault(key, len(rows))
+            pairs.append((candidate,) + keys)  # type: ignore[arg-type]
+    if not pairs:
+        return
+    width = max(1, max(len(targets[t].rep.free_milli) for t, _, _ in rows))
+    gpu_free = np.zeros((len(rows), width), dtype=np.int64)
+    cpu = np.zeros(len(rows), dtype=np.int64)
+    models = [""] * len(rows)
+    for (t, taken, part_cpu), row in rows.items():
+        cap = targets[t].rep
+        vector = list(cap.free_milli)
+        whole = [p for p, m in enumerate(vector) if m >= WHOLE_GPU_MILLI and cap.node.gpus[p].healthy]
+        for p in whole[:taken]:
+            vector[p] = 0
+        gpu_free[row, : len(vector)] = vector
+        cpu[row] = max(0, cap.free_cpu - part_cpu)
+        models[row] = cap.node.gpus[0].model if cap.node.gpus else ""
+    frag = node_cost_batch(gpu_free, cpu, models, workload)
+    # Stranding before and after each part (GPU totals, CPU, memory), in GPUs.
+    strand = np.zeros(len(pairs))
+    if STRANDING_ALPHA and (cpu_ratio > 0 or mem_ratio > 0):
+        before_g, before_c, before_m, after_g, after_c, after_m = ([] for _ in range(6))
+        for candidate, _, _, _ in pairs:
+            cap, part = targets[candidate.target].rep, candidate.part
+            total = sum(cap.free_milli)
+            used = part.gpus * part.milli if part.gpus else 0
+            before_g.append([total]), before_c.append(cap.free_cpu), before_m.append(cap.free_mem)
+            after_g.append([max(0, total - used)]), after_c.append(max(0, cap.free_cpu - part.cpu_milli))
+            after_m.append(max(0, cap.free_mem - part.memory_mb))
+        strand = STRANDING_ALPHA * (fgd.stranded_batch(after_g, after_c, cpu_ratio, after_m, mem_ratio)
+                                    - fgd.stranded_batch(before_g, before_c, cpu_ratio, before_m, mem_ratio)
+                                    ) / WHOLE_GPU_MILLI
+    for number, (candidate, untouched, gpus_gone, after) in enumerate(pairs):
+        candidate.host_cost = float(frag[rows[after]] - frag[rows[gpus_gone]])
+        candidate.fit_cost = float(frag[rows[after]] - frag[rows[untouched]] + strand[number])
+        candidate.strand_cost = float(strand[number])
 
 
 def _invalid_reason(job: JobDemand) -> str:
