@@ -41,20 +41,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduling.fragmentation import TaskClass, Workload, lookahead_fragmentation_batch, normalise
+from scheduling.fragmentation import TaskClass, Workload, lookahead_fragmentation_batch, mix_ratios, normalise
 from scheduling.sim.cluster import TaskSpec
 from scheduling.sim.policies import FGDPolicy, is_shared
-
-
-def mix_ratios(workload: Workload) -> tuple[float, float]:
-    """Expected CPU milli and memory MiB per milli-GPU over the GPU classes of the mix."""
-    w = workload.weights
-    gpu = workload.gpu_milli * workload.num_gpu
-    has = gpu > 0
-    g = float((w * gpu)[has].sum())
-    if g <= 0:
-        return 0.0, 0.0
-    return float((w * workload.cpu)[has].sum()) / g, float((w * workload.mem)[has].sum()) / g
 
 
 def gpu_weighted(workload: Workload, floor: float) -> Workload:
