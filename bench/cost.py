@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from bench.loaders import read_offers, read_philly
+from bench.plots import pyplot, save
 from scheduling.sim.events import SimNode, SimResult, Simulator
 from scheduling.sim.fleet_policies import GreedyCheapest, OnPremFifo
 
@@ -91,10 +92,7 @@ def make_policy(name: str, idle_release_s: float):
 
 
 def plot(out: str, result: dict) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, s in result["policies"].items():
@@ -102,12 +100,7 @@ def plot(out: str, result: dict) -> str:
         ax.annotate(name, (s["queue_p95_h"], s["dollars"]), textcoords="offset points", xytext=(5, 5))
     ax.set(xlabel="p95 queueing delay (h)", ylabel="total cost ($)", xscale="symlog",
            title="cost vs p95 queueing delay, one Philly week")
-    Path(out).mkdir(parents=True, exist_ok=True)
-    path = str(Path(out) / "cost_vs_delay.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out, "cost_vs_delay.png")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

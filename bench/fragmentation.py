@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from bench.loaders import read_nodes, read_tasks
+from bench.plots import pyplot, save
 from scheduling.fragmentation import workload_from_tasks
 from scheduling.sim.broker import run_broker
 from scheduling.sim.cluster import MILLI, ArrayCluster, TaskSpec
@@ -92,10 +93,7 @@ def published_curves(path: str, pods: str) -> dict[str, dict[int, float]]:
 
 def plot(out: str, curves: dict[str, dict[int, float]], published: dict[str, dict[int, float]],
          title: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5))
     for name, c in curves.items():
@@ -111,12 +109,7 @@ def plot(out: str, curves: dict[str, dict[int, float]], published: dict[str, dic
     ax.set(xlabel="arrived GPU demand (% of capacity)", ylabel="GPU allocation (%)", title=title)
     zoom.set(xlim=(85, 131), ylim=(84, 100), xlabel="arrived GPU demand (%)", title="zoom")
     zoom.legend(fontsize=7, loc="lower right")
-    Path(out).mkdir(parents=True, exist_ok=True)
-    path = str(Path(out) / "fragmentation_alloc.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out, "fragmentation_alloc.png")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from bench.loaders import read_nodes, read_offers, read_tasks
+from bench.plots import pyplot, save
 from scheduling.model import CloudOffer, GpuModelInfo, GpuState, JobDemand, NodeState, Policy, Snapshot
 from scheduling.sim.cluster import NodeSpec, TaskSpec
 from scheduling.sim.events import SimOffer
@@ -121,10 +122,7 @@ def optimality_gap(nodes: Sequence[NodeSpec], tasks: Sequence[TaskSpec], offers:
 
 
 def plot(out: str, cycles: list[dict]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [c["jobs"] for c in cycles]
@@ -133,12 +131,7 @@ def plot(out: str, cycles: list[dict]) -> str:
     ax.set(xscale="log", xlabel="pending jobs", ylabel="cycle time (s)",
            title="engine cycle time, 1,213 nodes + cloud offers")
     ax.legend()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    path = str(Path(out) / "scale_cycle_time.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out, "scale_cycle_time.png")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
