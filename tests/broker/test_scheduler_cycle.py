@@ -1,15 +1,8 @@
 """The broker's scheduling cycle: snapshot of one tenant → engine → allocations, reasons, preemptions."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from datetime import timedelta
-from pathlib import Path
 
-import pytest
-from django.db import connection
 from django.utils import timezone
 
 from broker.jobs.models import Job, JobEvent
@@ -19,10 +12,7 @@ from broker.scheduler.models import CycleLease, CycleRecord
 from broker.scheduler.services import _lease_acquire, scheduling_cycle_run
 from broker.scheduler.snapshot import tenant_snapshot
 
-from .conftest import is_postgres, requires_postgres, requires_redis
 from .test_api_tenancy import submit
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pending_job_is_placed_inside_one_nvlink_island(acme):
@@ -103,41 +93,6 @@ def test_a_cycle_does_not_run_while_another_holds_the_lease(acme):
     assert scheduling_cycle_run(tenant=acme.tenant).ran is False
     CycleLease.objects.filter(tenant=acme.tenant).update(expires_at=timezone.now() - timedelta(seconds=1))
     assert scheduling_cycle_run(tenant=acme.tenant).ran is True, "an expired lease (dead worker) is taken over"
-
-
-@requires_postgres
-@requires_redis
-@pytest.mark.postgres
-@pytest.mark.redis
-@pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
-def test_a_real_celery_worker_places_jobs_through_redis(acme, tmp_path):
-    """Submit, then let a separate `celery worker -B` process (Redis broker, same Postgres) place the job."""
-    job = submit(acme, resources={"gpus": 2})
-    db = connection.settings_dict
-    env = {**os.environ,
-           "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
-           "WHALEZEN_QUEUE": f"test-{os.getpid()}", "WHALEZEN_CYCLE_SECONDS": "1", "WHALEZEN_VAR_DIR": str(tmp_path)}
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "broker", "worker", "-B", "--pool", "solo", "--loglevel", "INFO",
-         "-s", str(tmp_path / "beat-schedule")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            job.refresh_from_db()
-            if job.state == JobState.PLACED:
-                break
-            time.sleep(0.5)
-        assert job.state == JobState.PLACED
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        connection.close()
-    assert is_postgres()
 
 
 def test_a_job_its_node_never_starts_is_placed_again(acme, settings):

@@ -1,4 +1,4 @@
-"""Real Celery workers on Redis and PostgreSQL, with faults: Redis restarted, a worker killed with
+"""Real Celery workers on Redis and PostgreSQL: one placing a job, then faults: Redis restarted, a worker killed with
 SIGKILL, two workers at once. Postgres is the truth and the sweeps re-drive everything, so no job is
 lost and no GPU is booked twice."""
 from __future__ import annotations
@@ -93,18 +93,42 @@ def placed(job: Job) -> bool:
     return job.state == JobState.PLACED
 
 
-@requires_postgres
-@requires_redis
-@pytest.mark.postgres
-@pytest.mark.redis
-@pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
+def this_test_database_url() -> str:
+    """The test database (not the configured one): worker processes must see what the test wrote."""
+    db = connection.settings_dict
+    return f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+needs_real_services = [requires_postgres, requires_redis, pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow,
+                       pytest.mark.django_db(transaction=True)]
+
+
+def with_real_services(test):
+    for mark in reversed(needs_real_services):
+        test = mark(test)
+    return test
+
+
+@with_real_services
+def test_a_real_celery_worker_places_jobs_through_redis(acme, tmp_path):
+    """Submit, then let a separate `celery worker -B` process (Redis broker, same Postgres) place the job."""
+    job = submit(acme, resources={"gpus": 2})
+    env = {**os.environ, "DATABASE_URL": this_test_database_url(), "WHALEZEN_QUEUE": f"test-{os.getpid()}",
+           "WHALEZEN_CYCLE_SECONDS": "1", "WHALEZEN_VAR_DIR": str(tmp_path)}
+    worker = start_worker(env, tmp_path, "solo", beat=True)
+    try:
+        wait_until(lambda: placed(job), 60, "the job to be placed")
+    finally:
+        stop(worker)
+        connection.close()
+
+
+@with_real_services
 def test_no_job_is_lost_across_redis_restarts_killed_and_concurrent_workers(acme, tmp_path):
     redis = PrivateRedis(tmp_path)
     redis.start()
-    db = connection.settings_dict
     env = {**os.environ, "REDIS_URL": redis.url, "WHALEZEN_QUEUE": f"faults-{os.getpid()}",
-           "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
+           "DATABASE_URL": this_test_database_url(),
            "WHALEZEN_CYCLE_SECONDS": "1", "WHALEZEN_CYCLE_LEASE_SECONDS": "5", "WHALEZEN_VAR_DIR": str(tmp_path)}
     workers: list[subprocess.Popen] = []
     try:
