@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", default="1000,5000,20000", help="comma-separated pending-job counts")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gap-instances", type=int, default=5, help="small instances for the optimality gap")
+    p.add_argument("--gap-instances", type=int, default=10, help="small instances for the optimality gap")
     p.add_argument("--gap-nodes", type=int, default=12)
     p.add_argument("--gap-jobs", type=int, default=30)
     p.add_argument("--json", action="store_true")
@@ -115,7 +115,7 @@ def optimality_gap(nodes: Sequence[NodeSpec], tasks: Sequence[TaskSpec], offers:
             continue
         gap = 100.0 * (auto.solver.objective - exact.solver.objective) / max(abs(exact.solver.objective), 1e-9)
         rows.append({"instance": k, "exact": round(exact.solver.objective, 4),
-                     "engine": round(auto.solver.objective, 4), "gap_pct": round(gap, 3),
+                     "engine": round(auto.solver.objective, 4), "gap_pct": round(gap, 3) + 0.0,  # never "-0.0"
                      "engine_method": auto.solver.method})
     gaps = [r["gap_pct"] for r in rows if "gap_pct" in r]
     return (round(float(np.mean(gaps)), 3) if gaps else None), rows

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduling.capacity import NodeCapacity, PartDemand
-from scheduling.model import JobDemand, Launch, Placement, PlacementPart, TenantBudget
+from scheduling.model import WHOLE_GPU_MILLI, JobDemand, Launch, Placement, PlacementPart, TenantBudget
 from scheduling.packer import TargetPacker
 from scheduling.problem import Problem
 from scheduling.targets import Target, offer_node
@@ -66,6 +66,8 @@ class Book:
         self.packer_instances: dict[int, list[Instance]] = {}
         # node position -> (target index, index inside that target's packer)
         self.node_slot: dict[int, tuple[int, int]] = {}
+        # (id of a capacity, GPU position) -> free GPU memory before a whole-GPU part took it
+        self.memory_before_take: dict[tuple[int, int], int] = {}
 
     # ---------------------------------------------------------------------------------- packers
 
@@ -95,10 +97,9 @@ class Book:
     def _strands(self):
         """For packers of multi-node shapes: does a part raise a node's stranded GPUs?"""
         if getattr(self, "_strand_check", None) is None:
-            from scheduling.patterns import part_gpu_milli, stranding_coefficients, to_workload
-            from scheduling.problem import workload_classes
+            from scheduling.patterns import part_gpu_milli, stranding_coefficients
 
-            alpha, cpu_ratio, mem_ratio = (stranding_coefficients(to_workload(workload_classes(self.problem.snapshot)))
+            alpha, cpu_ratio, mem_ratio = (stranding_coefficients(self.problem.workload)
                                            if self.problem.weights["fragmentation"] else (0.0, 0.0, 0.0))
 
             def strands(cap: NodeCapacity, part: PartDemand) -> bool:
@@ -148,6 +149,54 @@ class Book:
             target_index, inside = slot
             self.packers[target_index].touch(inside, tuple(range(len(self.caps[position].free_milli))))
 
+    def unplace(self, job: JobDemand, target: Target, part: PartDemand) -> list[tuple[NodeCapacity, tuple[int, ...],
+                                                                                  Instance | None]]:
+        """Take a placement back (local search): free its GPUs, CPU and memory, refund the tenant,
+        and return its slots so `commit` can put it back exactly as it was."""
+        placement = self.placements.pop(job.job_id)
+        allowance = self.allowances.get(job.tenant)
+        if allowance is not None:
+            pricing = self.problem.pricing
+            allowance.charge(-pricing.gpu_share(job, target.gpu_model), -pricing.compute_units(job, target.gpu_model),
+                             -pricing.money(job, target))
+        slots = []
+        for placed in placement.parts:
+            cap, instance = self.capacity_of(placed)
+            positions = tuple(next(p for p, gpu in enumerate(cap.node.gpus) if gpu.index == index)
+                              for index in placed.gpu_indices)
+            cap.release(positions, part.milli if part.fractional else WHOLE_GPU_MILLI, part.min_gpu_memory_mb,
+                        part.cpu_milli, part.memory_mb)
+            if not part.fractional:
+                for p in positions:
+                    cap.free_memory[p] = self.memory_before_take.pop((id(cap), p), cap.free_memory[p])
+            slots.append((cap, positions, instance))
+        self.reindex(slots)
+        return slots
+
+    def capacity_of(self, placed: PlacementPart) -> tuple[NodeCapacity, Instance | None]:
+        """The capacity a placement part sits on, and its instance (None on an owned node)."""
+        if placed.launch_id is None:
+            return self.caps[self.position_of(placed.node_id)], None
+        target_index = self._target_of_launch(placed.launch_id)
+        instance = next(i for i in self.instances if i.target == target_index and i.number == placed.instance)
+        return instance.cap, instance
+
+    def position_of(self, node_id: str | None) -> int:
+        if not hasattr(self, "_positions"):
+            self._positions = {cap.node.id: p for p, cap in enumerate(self.caps)}
+        return self._positions[node_id]
+
+    def reindex(self, slots: list[tuple[NodeCapacity, tuple[int, ...], Instance | None]]) -> None:
+        """Re-index capacities changed by `commit` or `unplace` in their targets' packers."""
+        for cap, _, instance in slots:
+            if instance is None:
+                self.refresh_node(self.position_of(cap.node.id))
+                continue
+            packer = self.packers.get(instance.target)
+            index = packer.index_of(cap) if packer is not None else None
+            if index is not None:
+                packer.touch(index, tuple(range(len(cap.free_milli))))
+
     # -------------------------------------------------------------------------------- instances
 
     def launch(self, target_index: int) -> Instance | None:
@@ -184,6 +233,9 @@ class Book:
                              pricing.compute_units(job, target.gpu_model), pricing.money(job, target))
         parts = []
         for cap, positions, instance in slots:
+            if not part.fractional:  # a whole GPU's free memory is zeroed: keep it for `unplace`
+                for p in positions:
+                    self.memory_before_take[id(cap), p] = cap.free_memory[p]
             cap.take(positions, part)
             parts.append(PlacementPart(
                 gpu_indices=cap.gpu_indices(positions), gpu_milli=part.milli,

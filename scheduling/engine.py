@@ -18,6 +18,7 @@ from scheduling.capacity import NodeCapacity
 from scheduling.defrag import plan_defragmentation
 from scheduling.explain import explain_pending
 from scheduling.greedy import place_greedily
+from scheduling.improve import improve
 from scheduling.mapping import map_solution
 from scheduling.milp import build_and_solve
 from scheduling.model import Migration, Plan, Policy, Preemption, Reason, ReasonCode, Snapshot, SolverInfo
@@ -150,12 +151,19 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
     objective = evaluate(problem, book, original)
     note = (f"{len(leftover)} jobs left by the MILP or mapping went to greedy repair "
             f"({len(leftover) - len(still)} placed)" if leftover else "")
+    method = "milp"
     if policy.method == "auto":
         # Always run (not only when time is left): the plan must not depend on the wall clock.
         greedy_book, greedy_objective = run_greedy()
         note += f"{'; ' if note else ''}MILP {objective:.2f} vs greedy {greedy_objective:.2f}"
         if greedy_objective < objective - 1e-9:
-            return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, result.solver, result.status,
-                                           solution.variables, note + "; greedy kept")
-    return book, SolverInfo("milp", result.proven_optimal and not leftover, 0.0, objective, result.solver,
-                            result.status, solution.variables, note)
+            book, objective, method = greedy_book, greedy_objective, "greedy"
+            note += "; greedy kept"
+    # Relocations that the per-node objective prefers to what mapping (or greedy) chose.
+    moves = improve(problem, book, original)
+    if moves:
+        improved = evaluate(problem, book, original)
+        note += f"{'; ' if note else ''}{moves} local move(s) {objective:.2f} -> {improved:.2f}"
+        objective = improved
+    proven = method == "milp" and result.proven_optimal and not leftover and not moves
+    return book, SolverInfo(method, proven, 0.0, objective, result.solver, result.status, solution.variables, note)

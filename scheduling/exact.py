@@ -20,9 +20,9 @@ from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, Policy, Snapshot, SolverInfo
 from scheduling.objective import evaluate
 from scheduling.patterns import (
-    node_fragmentation_gpus, part_gpu_milli, stranding_coefficients, to_workload,
+    node_fragmentation_gpus, part_gpu_milli, stranding_coefficients,
 )
-from scheduling.problem import Problem, workload_classes
+from scheduling.problem import Problem
 from scheduling.solver import Costs, solve
 from scheduling.targets import offer_node
 
@@ -56,7 +56,7 @@ def _units(problem: Problem) -> list[_Unit]:
 def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: float) -> tuple[Book, SolverInfo]:
     started = time.perf_counter()
     weights = problem.weights
-    workload = to_workload(workload_classes(problem.snapshot))
+    workload = problem.workload
     units = _units(problem)
     prob = pulp.LpProblem("whalezen_exact", pulp.LpMinimize)
     # Coefficients are summed per variable: LpAffineExpression(list) keeps only the last duplicate.

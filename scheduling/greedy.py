@@ -10,8 +10,8 @@ from __future__ import annotations
 from operator import itemgetter
 
 from scheduling.book import Book
-from scheduling.patterns import part_gpu_milli, stranded_gpus, stranding_coefficients, to_workload
-from scheduling.problem import Candidate, Problem, workload_classes
+from scheduling.patterns import part_gpu_milli, stranded_gpus, stranding_coefficients
+from scheduling.problem import Candidate, Problem
 
 
 def greedy_order(problem: Problem, job_ids: list[str]) -> list[str]:
@@ -73,7 +73,7 @@ def place_greedily(problem: Problem, book: Book, job_ids: list[str]) -> list[str
     unplaced = []
     ordered_candidates: dict[int, list[Candidate]] = {}
     keyed_candidates: dict[int, tuple[list, dict]] = {}
-    coefficients = stranding_coefficients(to_workload(workload_classes(problem.snapshot))) \
+    coefficients = stranding_coefficients(problem.workload) \
         if problem.weights["fragmentation"] else (0.0, 0.0, 0.0)
     # One-node shapes placed on in this pass (their stranding cost has changed).
     touched: set[int] = set()

@@ -28,9 +28,9 @@ import pulp
 from scheduling.model import WHOLE_GPU_MILLI
 from scheduling.patterns import (
     ItemType, Pattern, enumerate_instance_patterns, enumerate_patterns, node_fragmentation_gpus, part_gpu_milli,
-    stranding_coefficients, to_workload,
+    stranding_coefficients,
 )
-from scheduling.problem import Problem, workload_classes
+from scheduling.problem import Problem
 from scheduling.solver import MIP_GAP_ABS, Costs, SolveResult, solve
 
 
@@ -73,7 +73,7 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
     started = time.perf_counter()
     prob = pulp.LpProblem("whalezen_aggregate", pulp.LpMinimize)
     weights = problem.weights
-    workload = to_workload(workload_classes(problem.snapshot))
+    workload = problem.workload
     objective = Costs()
 
     x: dict[tuple[int, int], pulp.LpVariable] = {}

@@ -13,20 +13,21 @@ and free before the cycle and are not any more (taken by gangs or opened for sha
 away, minus before. Exact FGD of the final node state also depends on how shares split a GPU and
 on CPU left, which no linear model can carry; scoring the same linear term everywhere keeps the
 exact model's optimum a true lower bound for the others (the optimality gap is never negative).
+
+The total is a sum of local terms (one per placement, per owned node, per used instance), so
+`improve` can price a move by re-scoring only what the move touched.
 """
 
 from __future__ import annotations
 
-from scheduling.book import Book, launch_id
+from scheduling.book import Book, Instance, launch_id
 from scheduling.capacity import NodeCapacity
-from scheduling.model import WHOLE_GPU_MILLI
-from scheduling.patterns import stranded_gpus, stranding_coefficients, to_workload
-from scheduling.problem import Problem, workload_classes
+from scheduling.model import WHOLE_GPU_MILLI, JobDemand, Placement
+from scheduling.patterns import stranded_gpus, stranding_coefficients
+from scheduling.problem import Problem
 
 
 def evaluate(problem: Problem, book: Book, original: list[NodeCapacity] | None = None) -> float:
-    weights = problem.weights
-    pricing = problem.pricing
     total = 0.0
     placed = set()
     for job_id, placement in book.placements.items():
@@ -34,46 +35,90 @@ def evaluate(problem: Problem, book: Book, original: list[NodeCapacity] | None =
         if job is None:
             continue
         placed.add(job_id)
-        # Dollars at the price the placement recorded, for the run time on its GPU model.
-        total += weights["money"] * placement.price_per_hour * pricing.runtime_hours(job, placement.gpu_model)
+        total += placement_cost(problem, job, placement)
     for demand_class in problem.classes:
         for job_id in demand_class.job_ids:
             if job_id not in placed:
                 total += demand_class.waiting_cost
-    workload = to_workload(workload_classes(problem.snapshot))
-    if weights["fragmentation"]:
-        total += weights["fragmentation"] * _host_costs(problem, book)
-    if original is not None and weights["fragmentation"]:
-        total += weights["fragmentation"] * stranding_change(original, book.caps, workload)
-    if original is not None and weights["fragmentation"] and workload is not None:
-        before_caps, after_vectors = [], []
-        for before, after in zip(original, book.caps):
-            taken = sum(1 for b, a in zip(before.free_milli, after.free_milli)
-                        if b >= WHOLE_GPU_MILLI and a < WHOLE_GPU_MILLI)
-            if taken:
-                vector = list(before.free_milli)
-                for position in [p for p, m in enumerate(vector) if m >= WHOLE_GPU_MILLI][:taken]:
-                    vector[position] = 0
-                before_caps.append(before)
-                after_vectors.append(vector)
-        if before_caps:
-            total += weights["fragmentation"] * (
-                _fragmentation_sum(before_caps, workload, after_vectors)
-                - _fragmentation_sum(before_caps, workload, [list(c.free_milli) for c in before_caps]))
-    used_instances: set[tuple[str, int]] = set()
+    if original is not None:
+        total += owned_nodes_cost(problem, original, book.caps)
+    for instance in used_instances(problem, book):
+        total += instance_cost(problem, instance)
+    return total
+
+
+def placement_cost(problem: Problem, job: JobDemand, placement: Placement) -> float:
+    """Dollars at the price the placement recorded, for the run time on its GPU model, plus the
+    host cost (`Candidate.host_cost`) of each part on an owned node, by the shape the node had
+    when the cycle started."""
+    weights = problem.weights
+    total = weights["money"] * placement.price_per_hour * problem.pricing.runtime_hours(job, placement.gpu_model)
+    if not weights["fragmentation"]:
+        return total
+    class_index = problem.class_of.get(job.job_id)
+    if class_index is None:
+        return total
+    shape_of = shape_of_node(problem)
+    costs = _host_costs_of_class(problem, class_index)
+    for part in placement.parts:
+        if part.launch_id is None and part.node_id in shape_of:
+            total += weights["fragmentation"] * costs.get(shape_of[part.node_id], 0.0)
+    return total
+
+
+def instance_cost(problem: Problem, instance: Instance) -> float:
+    """A used instance pays its launch overhead and half the price of the GPUs it leaves idle over
+    the reference run time."""
+    target = problem.targets[instance.target]
+    idle = sum(1 for m in instance.cap.free_milli if m >= WHOLE_GPU_MILLI)
+    overhead = problem.snapshot.weights.launch_overhead_hours * target.instance_price
+    waste = idle * target.node.price_per_gpu_hour * problem.reference_hours
+    return problem.weights["money"] * (overhead + 0.5 * waste)
+
+
+def used_instances(problem: Problem, book: Book) -> list[Instance]:
+    used: set[tuple[str, int]] = set()
     for placement in book.placements.values():
         for part in placement.parts:
             if part.launch_id is not None:
-                used_instances.add((part.launch_id, part.instance))
-    for instance in book.instances:
-        target = problem.targets[instance.target]
-        if (launch_id(target), instance.number) not in used_instances:
-            continue
-        idle = sum(1 for m in instance.cap.free_milli if m >= WHOLE_GPU_MILLI)
-        overhead = problem.snapshot.weights.launch_overhead_hours * target.instance_price
-        waste = idle * target.node.price_per_gpu_hour * problem.reference_hours
-        total += weights["money"] * (overhead + 0.5 * waste)
-    return total
+                used.add((part.launch_id, part.instance))
+    return [instance for instance in book.instances
+            if (launch_id(problem.targets[instance.target]), instance.number) in used]
+
+
+def owned_nodes_cost(problem: Problem, original: list[NodeCapacity], caps: list[NodeCapacity]) -> float:
+    """Fragmentation weight x (stranding change + FGD change from whole GPUs taken) over the owned
+    nodes, `original` being their capacity when the cycle started."""
+    weight = problem.weights["fragmentation"]
+    workload = problem.workload
+    if not weight:
+        return 0.0
+    total = stranding_change(original, caps, workload)
+    if workload is not None:
+        changed = [(before, taken_vector(before, after)) for before, after in zip(original, caps)]
+        changed = [(before, vector) for before, vector in changed if vector is not None]
+        if changed:
+            befores = [before for before, _ in changed]
+            total += (_fragmentation_sum(befores, workload, [vector for _, vector in changed])
+                      - _fragmentation_sum(befores, workload, [list(c.free_milli) for c in befores]))
+    return weight * total
+
+
+def owned_node_cost(problem: Problem, before: NodeCapacity, after: NodeCapacity) -> float:
+    """`owned_nodes_cost` of one node."""
+    return owned_nodes_cost(problem, [before], [after])
+
+
+def taken_vector(before: NodeCapacity, after: NodeCapacity) -> list[int] | None:
+    """The node's free milli before the cycle with the whole GPUs the cycle took zeroed (the
+    first ones, so the value does not depend on which); None when it took none."""
+    taken = sum(1 for b, a in zip(before.free_milli, after.free_milli) if b >= WHOLE_GPU_MILLI and a < WHOLE_GPU_MILLI)
+    if not taken:
+        return None
+    vector = list(before.free_milli)
+    for position in [p for p, m in enumerate(vector) if m >= WHOLE_GPU_MILLI][:taken]:
+        vector[position] = 0
+    return vector
 
 
 def stranding_change(original: list[NodeCapacity], caps: list[NodeCapacity], workload) -> float:
@@ -92,27 +137,23 @@ def stranding_change(original: list[NodeCapacity], caps: list[NodeCapacity], wor
     return alpha * total
 
 
-def _host_costs(problem: Problem, book: Book) -> float:
-    """Sum of `Candidate.host_cost` over the node-parts placed on owned nodes (by the shape each
-    node had when the cycle started)."""
+def shape_of_node(problem: Problem) -> dict[str, int]:
     shape_of = getattr(problem, "_shape_of_node", None)
     if shape_of is None:
         shape_of = {problem.capacities[p].node.id: t for t, target in enumerate(problem.targets)
                     if target.kind == "node" for p in target.members}
         problem._shape_of_node = shape_of  # type: ignore[attr-defined]
-    total = 0.0
-    by_class: dict[int, dict[int, float]] = {}
-    for job_id, placement in book.placements.items():
-        class_index = problem.class_of.get(job_id)
-        if class_index is None:
-            continue
-        costs = by_class.get(class_index)
-        if costs is None:
-            costs = by_class[class_index] = {c.target: c.host_cost for c in problem.classes[class_index].candidates}
-        for part in placement.parts:
-            if part.launch_id is None and part.node_id in shape_of:
-                total += costs.get(shape_of[part.node_id], 0.0)
-    return total
+    return shape_of
+
+
+def _host_costs_of_class(problem: Problem, class_index: int) -> dict[int, float]:
+    cache = getattr(problem, "_host_costs_by_class", None)
+    if cache is None:
+        cache = problem._host_costs_by_class = {}  # type: ignore[attr-defined]
+    costs = cache.get(class_index)
+    if costs is None:
+        costs = cache[class_index] = {c.target: c.host_cost for c in problem.classes[class_index].candidates}
+    return costs
 
 
 def _fragmentation_sum(caps: list[NodeCapacity], workload, vectors: list[list[int]]) -> float:

@@ -12,6 +12,7 @@ import dataclasses
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import (
@@ -113,6 +114,14 @@ class Problem:
     def __post_init__(self) -> None:
         self.jobs_by_id = {job.job_id: job for job in self.snapshot.pending}
         self.class_of = {job_id: c.index for c in self.classes for job_id in c.job_ids}
+
+    @cached_property
+    def workload(self):  # -> fragmentation.Workload | None
+        """The task mix the fragmentation and stranding measures are taken against (once per cycle:
+        re-deriving it per scored node cost more than the scoring)."""
+        from scheduling.patterns import to_workload
+
+        return to_workload(workload_classes(self.snapshot))
 
 
 def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapacity] | None = None) -> Problem:
