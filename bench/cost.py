@@ -59,7 +59,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--on-demand-only", action="store_true",
                    help="jobs may not run on spot (default: checkpointable jobs may, for both cloud policies)")
     p.add_argument("--spot-mtti-h", type=float, default=24.0, help="mean hours before a spot instance is taken back")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first spot-interruption seed")
+    p.add_argument("--seeds", type=int, default=4,
+                   help="runs with seeds seed..seed+N-1; figures are their means (one week is chaotic: a single "
+                        "early decision changes every later spot interruption)")
     p.add_argument("--policies", default="whalezen,greedy-cheapest,onprem-fifo")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
@@ -77,6 +80,25 @@ def summary(res: SimResult) -> dict[str, float]:
             "queue_mean_h": round(float(queue.mean()), 3) if len(queue) else None,
             "finished": len(res.jct_s), "unfinished": res.unfinished, "launches": res.launches,
             "restarts": res.restarts, "spot_interruptions": res.interruptions}
+
+
+def mean_summary(runs: list[dict]) -> dict:
+    """Means over seeds of every numeric figure (engine method counts summed), and each seed's dollars."""
+    out: dict = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            merged: dict = {}
+            for run in runs:
+                for k, v in run[key].items():
+                    merged[k] = merged.get(k, 0) + v
+            out[key] = merged
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [run[key] for run in runs if run[key] is not None]
+            out[key] = round(float(np.mean(values)), 3) if values else None
+        else:
+            out[key] = value
+    out["dollars_per_seed"] = [run["dollars"] for run in runs]
+    return out
 
 
 def make_policy(name: str, idle_release_s: float):
@@ -111,23 +133,33 @@ def main(argv: Sequence[str] | None = None) -> dict:
     nodes = [SimNode(f"onprem-{i:02d}", "V100", 8, args.onprem_rate) for i in range(args.onprem_nodes)]
     result: dict = {"spot_allowed": not args.on_demand_only, "jobs": len(jobs), "left_out_over_8_gpus": too_big, "offers": len(offers),
                     "onprem_gpus": 8 * args.onprem_nodes, "policies": {}}
+    seeds = [args.seed + k for k in range(max(1, args.seeds))]
+    result["seeds"] = seeds
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        sim = Simulator(jobs, nodes, offers, SPEEDS, cycle_s=args.cycle_s, boot_s=args.boot_s,
-                        spot_mtti_s=args.spot_mtti_h * 3600, seed=args.seed)
-        pol = make_policy(name, args.idle_release_s)
-        t0 = time.perf_counter()
-        res = sim.run(pol)
-        s = summary(res)
-        s["wall_s"] = round(time.perf_counter() - t0, 1)
-        if hasattr(pol, "methods"):
-            s["engine_methods"] = dict(pol.methods)
-            s["engine_cycle_median_s"] = round(float(np.median(pol.cycle_seconds)), 4) if pol.cycle_seconds else None
-        result["policies"][name] = s
-        print(f"{name}: {s}", file=sys.stderr, flush=True)
+        runs = []
+        for seed in seeds:
+            sim = Simulator(jobs, nodes, offers, SPEEDS, cycle_s=args.cycle_s, boot_s=args.boot_s,
+                            spot_mtti_s=args.spot_mtti_h * 3600, seed=seed)
+            pol = make_policy(name, args.idle_release_s)
+            t0 = time.perf_counter()
+            res = sim.run(pol)
+            s = summary(res)
+            s["wall_s"] = round(time.perf_counter() - t0, 1)
+            if hasattr(pol, "methods"):
+                s["engine_methods"] = dict(pol.methods)
+                s["engine_cycle_median_s"] = (round(float(np.median(pol.cycle_seconds)), 4)
+                                              if pol.cycle_seconds else None)
+                s["moves"] = pol.moves
+            runs.append(s)
+            print(f"{name} seed {seed}: {s}", file=sys.stderr, flush=True)
+        result["policies"][name] = mean_summary(runs)
     pol = result["policies"]
     if "whalezen" in pol and "greedy-cheapest" in pol and pol["greedy-cheapest"]["dollars"]:
         result["whalezen_saving_vs_greedy_pct"] = round(
             100 * (1 - pol["whalezen"]["dollars"] / pol["greedy-cheapest"]["dollars"]), 1)
+        result["whalezen_saving_vs_greedy_pct_per_seed"] = [
+            round(100 * (1 - w / g), 1) for w, g in zip(pol["whalezen"]["dollars_per_seed"],
+                                                        pol["greedy-cheapest"]["dollars_per_seed"])]
     print(f"{'policy':<18}{'dollars':>10}{'JCT mean h':>12}{'JCT p95 h':>11}{'queue p95 h':>12}")
     for name, s in pol.items():
         print(f"{name:<18}{s['dollars']:>10.0f}{s['jct_mean_h']:>12.2f}{s['jct_p95_h']:>11.2f}{s['queue_p95_h']:>12.3f}")

@@ -6,7 +6,8 @@
    MILP's answer; "greedy" and "exact" (per-node model) run alone. `Plan.solver` says which
    answer was used, whether it was proven optimal, and why.
 3. For jobs still held back by capacity: preemption plan, then defragmentation plan.
-4. Explain every job left pending.
+4. Consolidation: empty rented instances whose jobs cost less elsewhere.
+5. Explain every job left pending.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 from scheduling.book import Book
 from scheduling.capacity import NodeCapacity
+from scheduling.consolidate import plan_consolidation
 from scheduling.defrag import plan_defragmentation
 from scheduling.explain import explain_pending
 from scheduling.greedy import place_greedily
@@ -63,6 +65,10 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
         waiting = [j for j in blocked if reasons[j].code != ReasonCode.WAITING_FOR_PREEMPTION]
         migrations = plan_defragmentation(problem, book, waiting)
         _explain_migrations(reasons, migrations)
+
+    if policy.consolidation and snapshot.running:
+        busy = {p.victim_job_id for p in preemptions} | {m.job_id for m in migrations}
+        migrations += plan_consolidation(problem, book, busy)
 
     book.compact_instances()
     placements = tuple(book.placements[j.job_id] for j in sorted(snapshot.pending, key=lambda j: j.job_id)

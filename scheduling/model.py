@@ -68,6 +68,9 @@ class NodeState:
     price_per_gpu_hour: float = 0.0
     # True when the node sits on a fabric fit for multi-node jobs (InfiniBand, EFA, GPUDirect).
     fast_fabric: bool = False
+    # True for a cloud instance rented by the hour (paid whether busy or not; may be emptied and
+    # released), False for owned capacity.
+    rented: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,3 +412,7 @@ class Policy:
     defragmentation: bool = True
     max_moves_per_cycle: int = 4
     min_run_before_move_s: float = 600.0
+    # Empty rented instances whose jobs cost less elsewhere ("cheaper" migrations, consolidate.py).
+    consolidation: bool = True
+    max_consolidation_moves: int = 8
+    min_remaining_to_move_s: float = 1800.0

@@ -94,6 +94,7 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
         if job.spot == "never" and placement.spot or job.spot == "required" and parts[0].launch_id and not placement.spot:
             problems.append(f"{job.job_id}: spot policy {job.spot} broken")
 
+    problems += _migration_violations(snapshot, plan, nodes, offers, launches, used, cpu, mem)
     for (home, instance), total in cpu.items():
         limit = _host_limit(home, nodes, launches, offers)
         if limit is not None and (total > limit[0] or mem[home, instance] > limit[1]):
@@ -116,6 +117,47 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
         offer = offers.get(offer_id)
         if offer is None or count > offer.launchable:
             problems.append(f"offer {offer_id}: {count} launches above its launchable count")
+    return problems
+
+
+def _migration_violations(snapshot: Snapshot, plan: Plan, nodes, offers, launches, used, cpu, mem) -> list[str]:
+    """Moves: of running, movable jobs, each once, not also preempted, onto GPUs nothing else in
+    the snapshot or the plan holds (their CPU and memory added to the destination's)."""
+    problems: list[str] = []
+    running = {allocation.job_id: allocation for allocation in snapshot.running}
+    victims = {p.victim_job_id for p in plan.preemptions}
+    moved: set[str] = set()
+    for migration in plan.migrations:
+        allocation = running.get(migration.job_id)
+        if allocation is None:
+            problems.append(f"{migration.job_id}: moved but not running")
+            continue
+        if migration.job_id in moved or migration.job_id in victims:
+            problems.append(f"{migration.job_id}: moved twice, or moved and preempted")
+        moved.add(migration.job_id)
+        if allocation.node_id != migration.from_node_id or migration.to.node_id in (None, allocation.node_id):
+            problems.append(f"{migration.job_id}: move from {migration.from_node_id} to {migration.to.node_id} "
+                            f"does not leave {allocation.node_id}")
+        if not (allocation.checkpointable and allocation.preemptible):
+            problems.append(f"{migration.job_id}: moved but not checkpointable and preemptible")
+        home = migration.to.node_id or "?"
+        gpus = _gpus_of(migration.to, nodes, offers, launches)
+        if gpus is None:
+            problems.append(f"{migration.job_id}: unknown node {home}")
+            continue
+        allowed = allocation.demand.allowed_models if allocation.demand is not None else ()
+        for index in migration.to.gpu_indices:
+            gpu = gpus.get(index)
+            if gpu is None:
+                problems.append(f"{migration.job_id}: no GPU {index} on {home}")
+                continue
+            used[home, 0, index] += migration.to.gpu_milli
+            if used[home, 0, index] + gpu[1] > WHOLE_GPU_MILLI or not gpu[2]:
+                problems.append(f"{migration.job_id}: GPU {index} on {home} over-allocated or unhealthy")
+            if allowed and gpu[0] not in allowed:
+                problems.append(f"{migration.job_id}: GPU model {gpu[0]} not allowed")
+        cpu[home, 0] += allocation.cpu_milli
+        mem[home, 0] += allocation.memory_mb
     return problems
 
 

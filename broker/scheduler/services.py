@@ -29,9 +29,9 @@ from scheduling import model as sm
 from scheduling.engine import schedule
 
 log = logging.getLogger(__name__)
-# Moves need the checkpoint/migration state machine on the agents; until then the broker asks the
-# engine for placements and preemptions only.
-BROKER_POLICY = sm.Policy(defragmentation=False, time_limit_s=2.0)
+# Moves (defragmentation, consolidation of rented instances) need the checkpoint/migration state
+# machine on the agents; until then the broker asks the engine for placements and preemptions only.
+BROKER_POLICY = sm.Policy(defragmentation=False, consolidation=False, time_limit_s=2.0)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from datetime import datetime
 from django.db.models import Count, Prefetch, Sum
 from django.utils import timezone
 
-from broker.inventory.models import Gpu, GpuHealth, GpuModel, Node, NodeState
+from broker.inventory.models import Gpu, GpuHealth, GpuModel, Node, NodeState, PoolKind
 from broker.jobs.models import Allocation, AllocationSlice, Checkpoint, CheckpointState, Job
 from broker.jobs.states import ACTIVE_STATES, JobState
 from broker.scheduler.spend import month_to_date_spend
@@ -97,6 +97,7 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
             state="ready" if node.state == NodeState.ONLINE and node.pool.enabled else node.state.lower(),
             price_per_gpu_hour=float(node.pool.gpu_hour_rate_usd),
             fast_fabric=fabric in FAST_FABRIC_LABELS,
+            rented=node.pool.kind != PoolKind.ONPREM,
         ))
 
     latest_checkpoint: dict[int, datetime] = {}

@@ -1,4 +1,6 @@
-"""``whalezen-broker`` in the FGD protocol: the broker as it really runs, one cycle per N arrivals.
+"""``whalezen-batch`` in the FGD protocol: the broker's cycles (one per N arrivals) decided in the
+simulator's arrays with the ``whalezen-online`` score; ``whalezen-broker`` (``engine_broker``)
+runs the same cycles through the engine itself.
 
 A cycle sees every task that arrived since the last one.  It places them in arrival order with the
 ``whalezen-online`` score (``order="hardest"``, most GPU then most CPU first, the classic batch

@@ -50,7 +50,7 @@ def test_fragmentation_script_json_plot_and_placements(tmp_path: Path, capsys: p
     total = sum(n.num_gpu for n in read_nodes(npath))
     assert result["total_gpus"] == total and result["seeds"] == 2
     pols = result["policies"]
-    for name in ("whalezen-online", "whalezen-broker", "bestfit", "fgd", "random", "dotprod",
+    for name in ("whalezen-online", "whalezen-broker", "whalezen-batch", "bestfit", "fgd", "random", "dotprod",
                  "gpupacking", "gpuclustering", "firstfit", "k8s-spread"):
         s = pols[name]
         assert 0 <= s["alloc_at_100"] <= 100 and 0 <= s["alloc_at_130"] <= 100
@@ -111,9 +111,10 @@ def test_offers_loader_combines_gcp_host_and_gpu_rows(tmp_path: Path) -> None:
 def test_cost_script_json_shape_and_consistency(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     philly, cat = write_fleet_data(tmp_path)
     cost.main(["--philly", str(philly), "--catalog", str(cat), "--start-day", "0", "--days", "7",
-               "--every", "1", "--onprem-nodes", "1", "--json", "--out", str(tmp_path / "plots")])
+               "--every", "1", "--onprem-nodes", "1", "--seeds", "2", "--json", "--out", str(tmp_path / "plots")])
     result = last_json(capsys.readouterr().out)
-    assert result["jobs"] == 24 and result["left_out_over_8_gpus"] == 6
+    assert result["jobs"] == 24 and result["left_out_over_8_gpus"] == 6 and result["seeds"] == [0, 1]
+    assert len(result["whalezen_saving_vs_greedy_pct_per_seed"]) == 2
     pols = result["policies"]
     assert set(pols) == {"whalezen", "greedy-cheapest", "onprem-fifo"}
     for s in pols.values():
@@ -121,6 +122,8 @@ def test_cost_script_json_shape_and_consistency(tmp_path: Path, capsys: pytest.C
         assert s["dollars"] == pytest.approx(s["cloud_dollars"] + s["onprem_dollars"], abs=0.02)
         assert s["jct_p95_h"] >= s["queue_p95_h"] >= 0 and s["jct_mean_h"] > 0
     assert pols["onprem-fifo"]["cloud_dollars"] == 0
+    for s in pols.values():  # the figures are means over the seeds
+        assert s["dollars"] == pytest.approx(sum(s["dollars_per_seed"]) / 2, abs=0.01)
     assert (tmp_path / "plots" / "cost_vs_delay.png").exists()
 
 

@@ -109,3 +109,15 @@ def test_a_job_its_node_never_starts_is_placed_again(acme, settings):
     job.refresh_from_db()
     assert job.state == JobState.PENDING and job.pending_reason_code == "START_TIMEOUT"
     assert not job.allocations.filter(active=True).exists(), "its GPUs were released"
+
+
+def test_the_snapshot_marks_cloud_instances_as_rented_and_owned_nodes_not(acme, gpu_models):
+    from broker.inventory.models import Pool, PoolKind
+    from broker.inventory.services import node_create_simulated
+
+    cloud = Pool.objects.create(tenant=acme.tenant, name="burst", kind=PoolKind.AWS, region="us-east-1")
+    instance = node_create_simulated(pool=cloud, name="acme-burst-1", gpu_model=gpu_models["A100-80GB"], gpu_count=8,
+                                     nvlink_island_size=8, cpu_milli=96000, memory_mb=1024 * 1024)
+    rented = {n.id: n.rented for n in tenant_snapshot(tenant=acme.tenant).nodes}
+    assert rented[str(instance.pk)] is True
+    assert all(rented[str(n.pk)] is False for n in acme.nodes)

@@ -27,7 +27,8 @@ def nodes_and_running(draw):
                         island_size=draw(st.sampled_from([1, 2, 4, 8])), used=used,
                         unhealthy=tuple(g for g in range(gpus) if draw(st.booleans()) and g == 0),
                         price=draw(st.sampled_from([0.0, 0.5, 2.0])), free_cpu=draw(st.sampled_from([2000, 32000])),
-                        fast_fabric=draw(st.booleans()), state=draw(st.sampled_from(["ready", "ready", "draining"])))
+                        fast_fabric=draw(st.booleans()), state=draw(st.sampled_from(["ready", "ready", "draining"])),
+                        rented=draw(st.booleans()))
         nodes.append(node)
         for g, milli in used.items():
             if milli == 1000:
@@ -36,7 +37,7 @@ def nodes_and_running(draw):
                     priority=draw(st.integers(0, 2)), preemptible=draw(st.booleans()),
                     checkpointable=draw(st.booleans()), run_seconds=draw(st.sampled_from([10.0, 5000.0])),
                     checkpoint_age_s=draw(st.sampled_from([None, 30.0])), restart_cost_s=30.0,
-                    demand=job(f"r{n}-{g}")))
+                    demand=job(f"r{n}-{g}", expected_duration_hours=draw(st.sampled_from([1.0, 8.0])))))
     return nodes, runs
 
 
@@ -79,7 +80,8 @@ def check_planners(snap, plan, policy):
         victim = running[p.victim_job_id]
         assert victim.preemptible and victim.priority < pending[p.for_job_id].priority
         assert victim.run_seconds >= policy.min_run_before_preempt_s
-    assert len(plan.migrations) <= policy.max_moves_per_cycle
+    assert len([m for m in plan.migrations if m.reason == "defragmentation"]) <= policy.max_moves_per_cycle
+    assert len([m for m in plan.migrations if m.reason == "cheaper"]) <= policy.max_consolidation_moves
     taken = {(part.node_id, g) for placement in plan.placements for part in placement.parts for g in part.gpu_indices}
     for m in plan.migrations:
         moved = running[m.job_id]

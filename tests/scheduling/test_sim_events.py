@@ -98,7 +98,7 @@ def test_plan_to_actions_maps_placements_launches_moves_and_preemptions() -> Non
         migrations=(Migration("m", "op", PlacementPart((0,), node_id="n2"), "defragmentation"),),
         solver=SolverInfo("milp", True, 0.01))
     assert plan_to_actions(plan) == [
-        Stop("v"), Stop("m"), Start("m", "n2", (0,)), Start("a", "op", (1,)),
+        Stop("v"), Stop("m", checkpoint=True), Start("m", "n2", (0,)), Start("a", "op", (1,)),
         Launch("big", ("b", "c"), ((0, 1), (2,)))]
 
 
@@ -112,7 +112,7 @@ def test_engine_policy_sees_the_fleet_and_drives_the_simulator() -> None:
         return Plan(placements=placements, solver=SolverInfo("greedy", False, 0.0))
 
     s = sim([SimJob("a", 0, 1, 600)])
-    res = s.run(EnginePolicy(schedule=fake_schedule, consolidate=False))
+    res = s.run(EnginePolicy(schedule=fake_schedule))
     assert res.unfinished == 0 and res.jct_s == [600.0 + 60.0]
     snap = seen[0]
     assert [n.id for n in snap.nodes] == ["op"] and snap.pending[0].expected_duration_hours == pytest.approx(600 / 3600)

@@ -1,0 +1,85 @@
+"""Consolidation (`scheduling.consolidate`): the engine empties a rented instance when its jobs
+cost less elsewhere, and only then."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine_factories import FAST, gpu_node, job, snapshot
+from scheduling.engine import schedule
+from scheduling.model import RunningAllocation
+from scheduling.validate import plan_violations
+
+POLICY = replace(FAST, consolidation=True)
+
+
+def rented(node_id: str, jobs: int, gpus: int = 8, price: float = 4.0):
+    """A rented instance whose first `jobs` GPUs are busy."""
+    return gpu_node(node_id, gpus=gpus, price=price, provider="aws", rented=True,
+                    used={g: 1000 for g in range(jobs)})
+
+
+def running(job_id: str, node_id: str, gpu: int, run_s: float = 3600.0, hours: float = 8.0, **fields):
+    fields.setdefault("checkpointable", True)
+    fields.setdefault("preemptible", True)
+    return RunningAllocation(job_id, node_id, (gpu,), tenant="acme", run_seconds=run_s, checkpoint_age_s=60.0,
+                             restart_cost_s=120.0, cpu_milli=1000, memory_mb=1024,
+                             demand=job(job_id, expected_duration_hours=hours), **fields)
+
+
+def moves(plan):
+    return sorted((m.job_id, m.from_node_id, m.to.node_id, m.reason) for m in plan.migrations)
+
+
+def test_a_half_empty_instance_is_emptied_onto_free_owned_gpus():
+    snap = snapshot([rented("i-1", jobs=2), gpu_node("onprem", gpus=8, price=1.0)],
+                    running=[running("a", "i-1", 0), running("b", "i-1", 1)])
+    plan = schedule(snap, POLICY)
+    assert moves(plan) == [("a", "i-1", "onprem", "cheaper"), ("b", "i-1", "onprem", "cheaper")]
+    assert len({g for m in plan.migrations for g in m.to.gpu_indices}) == 2
+    assert plan_violations(snap, plan) == []
+
+
+def test_jobs_of_a_sparse_instance_move_to_the_fuller_one_already_paid_for():
+    snap = snapshot([rented("i-sparse", jobs=2), rented("i-full", jobs=5)],
+                    running=[running("a", "i-sparse", 0), running("b", "i-sparse", 1)]
+                    + [running(f"f{g}", "i-full", g) for g in range(5)])
+    plan = schedule(snap, POLICY)
+    assert moves(plan) == [("a", "i-sparse", "i-full", "cheaper"), ("b", "i-sparse", "i-full", "cheaper")]
+    assert plan_violations(snap, plan) == []
+
+
+def test_nothing_moves_when_not_every_job_of_the_instance_has_a_place():
+    snap = snapshot([rented("i-1", jobs=2), gpu_node("onprem", gpus=8, price=1.0, used={g: 1000 for g in range(7)})],
+                    running=[running("a", "i-1", 0), running("b", "i-1", 1)])
+    assert schedule(snap, POLICY).migrations == ()
+
+
+def test_nothing_moves_when_the_owned_gpus_cost_more_than_the_instance():
+    # A 2-GPU instance at $1 per GPU-hour costs $2/h; its two jobs would cost $3/h on-prem.
+    snap = snapshot([rented("i-1", jobs=2, gpus=2, price=1.0), gpu_node("onprem", gpus=8, price=1.5)],
+                    running=[running("a", "i-1", 0), running("b", "i-1", 1)])
+    assert schedule(snap, POLICY).migrations == ()
+
+
+def test_young_short_or_unmovable_jobs_keep_their_instance():
+    nodes = [rented("i-1", jobs=2), gpu_node("onprem", gpus=8, price=1.0)]
+    young = [running("a", "i-1", 0, run_s=60.0), running("b", "i-1", 1)]
+    ending = [running("a", "i-1", 0, run_s=3000.0, hours=1.0), running("b", "i-1", 1)]  # 10 min left
+    pinned = [running("a", "i-1", 0, checkpointable=False), running("b", "i-1", 1)]
+    for allocations in (young, ending, pinned):
+        assert schedule(snapshot(nodes, running=allocations), POLICY).migrations == ()
+
+
+def test_an_instance_that_got_a_new_job_this_cycle_is_kept():
+    snap = snapshot([rented("i-1", jobs=2), gpu_node("onprem", gpus=1, price=1.0, used={0: 1000})],
+                    [job("new")], running=[running("a", "i-1", 0), running("b", "i-1", 1)])
+    plan = schedule(snap, POLICY)
+    assert plan.placement_for("new").parts[0].node_id == "i-1"
+    assert plan.migrations == ()
+
+
+def test_consolidation_can_be_switched_off():
+    snap = snapshot([rented("i-1", jobs=2), gpu_node("onprem", gpus=8, price=1.0)],
+                    running=[running("a", "i-1", 0), running("b", "i-1", 1)])
+    assert schedule(snap, replace(POLICY, consolidation=False)).migrations == ()
