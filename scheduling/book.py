@@ -177,7 +177,7 @@ class Book:
         """The capacity a placement part sits on, and its instance (None on an owned node)."""
         if placed.launch_id is None:
             return self.caps[self.position_of(placed.node_id)], None
-        target_index = self._target_of_launch(placed.launch_id)
+        target_index = self.target_of_launch(placed.launch_id)
         instance = next(i for i in self.instances if i.target == target_index and i.number == placed.instance)
         return instance.cap, instance
 
@@ -256,7 +256,7 @@ class Book:
             for part in placement.parts:
                 if part.launch_id is None:
                     continue
-                target_index = self._target_of_launch(part.launch_id)
+                target_index = self.target_of_launch(part.launch_id)
                 used.setdefault(target_index, set()).add(part.instance)
                 if placement.job_id not in jobs.setdefault(target_index, []):
                     jobs[target_index].append(placement.job_id)
@@ -269,7 +269,7 @@ class Book:
                                  job_ids=tuple(sorted(jobs[target_index])), price_per_hour=target.instance_price))
         return tuple(result)
 
-    def _target_of_launch(self, identifier: str) -> int:
+    def target_of_launch(self, identifier: str) -> int:
         if not hasattr(self, "_launch_targets"):
             self._launch_targets = {launch_id(t): i for i, t in enumerate(self.problem.targets) if t.kind == "offer"}
         return self._launch_targets[identifier]
@@ -288,7 +288,7 @@ class Book:
             parts = tuple(
                 part if part.launch_id is None else PlacementPart(
                     part.gpu_indices, part.gpu_milli, None, part.launch_id,
-                    renumber[self._target_of_launch(part.launch_id), part.instance])
+                    renumber[self.target_of_launch(part.launch_id), part.instance])
                 for part in placement.parts)
             self.placements[job_id] = Placement(job_id, parts, placement.gpu_model, placement.price_per_hour,
                                                 placement.spot)

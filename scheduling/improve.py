@@ -67,7 +67,7 @@ class _Scorer:
     def unit_of(self, part: PlacementPart) -> Unit:
         if part.launch_id is None:
             return ("node", self.book.position_of(part.node_id), 0)
-        return ("instance", self.book._target_of_launch(part.launch_id), part.instance)
+        return ("instance", self.book.target_of_launch(part.launch_id), part.instance)
 
     def cost(self, unit: Unit, cap: NodeCapacity, instance: Instance | None, jobs: int) -> float:
         """The unit's objective term with `jobs` jobs on it (an unused instance costs nothing)."""
