@@ -162,8 +162,7 @@ class Book:
         slots = []
         for placed in placement.parts:
             cap, instance = self.capacity_of(placed)
-            positions = tuple(next(p for p, gpu in enumerate(cap.node.gpus) if gpu.index == index)
-                              for index in placed.gpu_indices)
+            positions = cap.positions_of(placed.gpu_indices)
             cap.release(positions, part.milli if part.fractional else WHOLE_GPU_MILLI, part.min_gpu_memory_mb,
                         part.cpu_milli, part.memory_mb)
             if not part.fractional:

@@ -136,6 +136,15 @@ class NodeCapacity:
     def gpu_indices(self, positions: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(self.node.gpus[p].index for p in positions)
 
+    def positions_of(self, gpu_indices: tuple[int, ...]) -> tuple[int, ...]:
+        """The inverse of `gpu_indices` (positions in ascending order, as `choose` gives them)."""
+        return tuple(p for p, gpu in enumerate(self.node.gpus) if gpu.index in gpu_indices)
+
+    def same_free(self, other: "NodeCapacity") -> bool:
+        """Same free GPU shares, CPU and memory (nothing placed or released between the two)."""
+        return (self.free_milli == other.free_milli and self.free_cpu == other.free_cpu
+                and self.free_mem == other.free_mem)
+
     def copy(self) -> "NodeCapacity":
         clone = NodeCapacity.__new__(NodeCapacity)
         clone.node = self.node

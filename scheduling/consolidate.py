@@ -26,7 +26,7 @@ from scheduling.book import Book
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, RunningAllocation
 from scheduling.problem import Problem
-from scheduling.whatif import fits_on, running_by_node
+from scheduling.whatif import can_move, fits_on, running_by_node
 
 # Filters that moving a running job does not touch: it already counts against its tenant's
 # quota and budget, and it launches nothing.
@@ -40,7 +40,7 @@ def plan_consolidation(problem: Problem, book: Book, busy: set[str]) -> tuple[Mi
         return ()
     by_node = running_by_node(problem)
     rented = [p for p, cap in enumerate(problem.capacities)
-              if cap.node.rented and by_node.get(p) and _untouched(problem.capacities[p], book.caps[p])]
+              if cap.node.rented and by_node.get(p) and cap.same_free(book.caps[p])]
     if not rented:
         return ()
     plugins = tuple(p for p in problem.plugins if p.name not in NOT_FOR_MOVES)
@@ -52,7 +52,7 @@ def plan_consolidation(problem: Problem, book: Book, busy: set[str]) -> tuple[Mi
         if len(plan) + len(allocations) > policy.max_consolidation_moves:
             continue
         remaining = [_remaining_s(problem, source, a) for a in allocations]
-        if any(not _movable(a, policy, busy) for a in allocations) \
+        if any(not can_move(a, policy) or a.job_id in busy for a in allocations) \
                 or min(remaining) < policy.min_remaining_to_move_s:
             continue
         moves = _land_elsewhere(problem, book, source, allocations, draining, plugins)
@@ -71,18 +71,9 @@ def plan_consolidation(problem: Problem, book: Book, busy: set[str]) -> tuple[Mi
     return tuple(plan)
 
 
-def _untouched(before: NodeCapacity, now: NodeCapacity) -> bool:
-    return before.free_milli == now.free_milli and before.free_cpu == now.free_cpu
-
-
 def _utilisation(cap: NodeCapacity) -> float:
     total = len(cap.node.gpus) * WHOLE_GPU_MILLI
     return (total - sum(cap.free_milli)) / total if total else 1.0
-
-
-def _movable(allocation: RunningAllocation, policy, busy: set[str]) -> bool:
-    return (allocation.checkpointable and allocation.preemptible and allocation.demand is not None
-            and allocation.run_seconds >= policy.min_run_before_move_s and allocation.job_id not in busy)
 
 
 def _remaining_s(problem: Problem, position: int, allocation: RunningAllocation) -> float:
@@ -98,20 +89,21 @@ def _remaining_s(problem: Problem, position: int, allocation: RunningAllocation)
 def _land_elsewhere(problem: Problem, book: Book, source: int, allocations: list[RunningAllocation],
                     draining: set[int], plugins) -> list[tuple[int, PartDemand, tuple[int, ...]]] | None:
     """A destination for every job of `source` on the capacity left (what-if); None if any has none."""
-    trial = {p: book.caps[p].copy() for p in range(len(book.caps))
-             if p != source and p not in draining and book.caps[p].schedulable}
-    order = sorted(trial, key=lambda p: (trial[p].node.rented, trial[p].node.price_per_gpu_hour
-                                         if not trial[p].node.rented else trial[p].whole_free(), trial[p].node.id))
+    caps = book.caps
+    order = sorted((p for p in range(len(caps)) if p != source and p not in draining and caps[p].schedulable),
+                   key=lambda p: (caps[p].node.rented, caps[p].node.price_per_gpu_hour
+                                  if not caps[p].node.rented else caps[p].whole_free(), caps[p].node.id))
+    trial: dict[int, NodeCapacity] = {}  # copies of the destinations taken from so far
     found: list[tuple[int, PartDemand, tuple[int, ...]] | None] = [None] * len(allocations)
     biggest_first = sorted(range(len(allocations)), key=lambda i: (-len(allocations[i].gpu_indices),
                                                                   allocations[i].job_id))
     for i in biggest_first:
         demand = replace(allocations[i].demand, job_id=allocations[i].job_id)  # type: ignore[arg-type]
         for position in order:
-            fit = fits_on(problem, demand, trial[position], position, plugins)
+            fit = fits_on(problem, demand, trial.get(position, caps[position]), position, plugins)
             if fit is not None:
                 _, part, positions = fit
-                trial[position].take(positions, part)
+                trial.setdefault(position, caps[position].copy()).take(positions, part)
                 found[i] = (position, part, positions)
                 break
         if found[i] is None:

@@ -18,7 +18,7 @@ from scheduling.book import Book
 from scheduling.greedy import place_greedily
 from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, Policy, RunningAllocation, Snapshot
 from scheduling.problem import Problem, build_problem
-from scheduling.whatif import could_ever_fit, minimal_victims, release, running_by_node
+from scheduling.whatif import can_move, could_ever_fit, minimal_victims, release, running_by_node
 
 # Nodes tried per blocked job (fewest moves first), to bound the what-if work per cycle.
 NODES_TRIED = 8
@@ -32,7 +32,7 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
     if budget <= 0:
         return ()
     by_node = running_by_node(problem)
-    if not any(_movable(a, a.priority, policy) for allocations in by_node.values() for a in allocations):
+    if not any(can_move(a, policy) for allocations in by_node.values() for a in allocations):
         return ()
     moved: set[str] = set()
     plan: list[Migration] = []
@@ -53,7 +53,7 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
             continue  # defragmenting cannot help: the free capacity is not there at all
         options = []
         for position in compatible:
-            movable = [a for a in by_node.get(position, []) if a.job_id not in moved and _movable(a, job.priority, policy)]
+            movable = [a for a in by_node.get(position, []) if a.job_id not in moved and can_move(a, policy, job.priority)]
             if not movable:
                 continue
             found = minimal_victims(problem, job, book, position, movable)
@@ -82,11 +82,6 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
     return tuple(plan)
 
 
-def _movable(allocation: RunningAllocation, priority: int, policy) -> bool:
-    return (allocation.checkpointable and allocation.preemptible and allocation.demand is not None
-            and allocation.run_seconds >= policy.min_run_before_move_s and allocation.priority <= priority)
-
-
 def _replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[RunningAllocation]):
     """Place every mover on another node of the current book (what-if); None if any fails."""
     capacities = [cap.copy() for cap in book.caps]
@@ -98,14 +93,12 @@ def _replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[R
     if place_greedily(mini, trial, [d.job_id for d in demands]):
         return None
     result = []
-    position_of = {cap.node.id: p for p, cap in enumerate(book.caps)}
     part_by_job = {d.job_id: next(c.part for c in mini.classes[mini.class_of[d.job_id]].candidates
                                   if c.target == _target_of(mini, trial, d.job_id)) for d in demands}
     for demand in demands:
         placement = trial.placements[demand.job_id]
-        node_position = position_of[placement.node_id]  # type: ignore[index]
-        gpus = book.caps[node_position].node.gpus
-        positions = tuple(p for p, g in enumerate(gpus) if g.index in placement.gpu_indices)
+        node_position = book.position_of(placement.node_id)
+        positions = book.caps[node_position].positions_of(placement.gpu_indices)
         result.append((node_position, part_by_job[demand.job_id], positions))
     return result
 

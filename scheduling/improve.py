@@ -50,8 +50,7 @@ class _Scorer:
         self.changed: dict[int, set[int]] = {}
         shape_of = shape_of_node(problem)
         for position, (before, now) in enumerate(zip(original, book.caps)):
-            if before.free_milli != now.free_milli or before.free_cpu != now.free_cpu \
-                    or before.free_mem != now.free_mem:
+            if not before.same_free(now):
                 target = shape_of.get(now.node.id)
                 if target is not None:
                     self.changed.setdefault(target, set()).add(position)
@@ -188,7 +187,7 @@ def _relocate(problem: Problem, book: Book, scorer: _Scorer, job: JobDemand) -> 
     placement = book.placements[job.job_id]
     source_unit = scorer.unit_of(placement.parts[0])
     candidates = {c.target: c for c in problem.classes[problem.class_of[job.job_id]].candidates}
-    source_target = source_unit[1] if source_unit[0] == "instance" else _shape_of(problem, source_unit[1])
+    source_target = _target_of(problem, source_unit)
     source_candidate = candidates.get(source_target)
     if source_candidate is None:
         return 0, False

@@ -129,8 +129,7 @@ def stranding_change(original: list[NodeCapacity], caps: list[NodeCapacity], wor
         return 0.0
     total = 0.0
     for before, after in zip(original, caps):
-        if before.free_cpu == after.free_cpu and before.free_mem == after.free_mem \
-                and before.free_milli == after.free_milli:
+        if before.same_free(after):
             continue
         total += (stranded_gpus(sum(after.free_milli), after.free_cpu, after.free_mem, cpu_ratio, mem_ratio)
                   - stranded_gpus(sum(before.free_milli), before.free_cpu, before.free_mem, cpu_ratio, mem_ratio))

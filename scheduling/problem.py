@@ -160,13 +160,14 @@ def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapac
                                    waiting_cost=waiting * (0.1 + max(0.0, gpu_equivalent)))
         _fill_candidates(demand_class, targets, pricing, ctx, plugins)
         classes.append(demand_class)
+    problem = Problem(snapshot=snapshot, policy=policy, pricing=pricing, capacities=capacities, targets=targets,
+                      classes=classes, ctx=ctx, weights=weights, reference_hours=reference_hours, plugins=plugins)
     if weights["fragmentation"]:
-        _price_host_costs(snapshot, targets, classes)
-    return Problem(snapshot=snapshot, policy=policy, pricing=pricing, capacities=capacities, targets=targets,
-                   classes=classes, ctx=ctx, weights=weights, reference_hours=reference_hours, plugins=plugins)
+        _price_host_costs(problem.workload, targets, classes)
+    return problem
 
 
-def _price_host_costs(snapshot: Snapshot, targets: list[Target], classes: list[DemandClass]) -> None:
+def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass]) -> None:
     """Fill `Candidate.host_cost` and `fit_cost` for every (class, node shape) pair.
 
     A part on a node of shape t with free GPUs G and CPU C first takes its whole GPUs (G -> G';
@@ -178,9 +179,8 @@ def _price_host_costs(snapshot: Snapshot, targets: list[Target], classes: list[D
     import numpy as np
 
     from scheduling import fragmentation as fgd
-    from scheduling.patterns import STRANDING_ALPHA, node_cost_batch, stranding_ratios, to_workload
+    from scheduling.patterns import STRANDING_ALPHA, node_cost_batch, stranding_ratios
 
-    workload = to_workload(workload_classes(snapshot))
     if workload is None:
         return
     cpu_ratio, mem_ratio = stranding_ratios(workload)

@@ -27,8 +27,17 @@ def running_by_node(problem: Problem) -> dict[int, list[RunningAllocation]]:
     return grouped
 
 
+def can_move(allocation: RunningAllocation, policy, priority: int | None = None) -> bool:
+    """A running job the planners may move: checkpointable, preemptible, with a demand to place
+    it again, run at least `Policy.min_run_before_move_s`, and (when `priority` is given) not
+    above it."""
+    return (allocation.checkpointable and allocation.preemptible and allocation.demand is not None
+            and allocation.run_seconds >= policy.min_run_before_move_s
+            and (priority is None or allocation.priority <= priority))
+
+
 def release(cap: NodeCapacity, allocation: RunningAllocation) -> None:
-    positions = tuple(p for p, gpu in enumerate(cap.node.gpus) if gpu.index in allocation.gpu_indices)
+    positions = cap.positions_of(allocation.gpu_indices)
     gpu_memory = allocation.demand.min_gpu_memory_mb if allocation.demand is not None else 0
     cap.release(positions, allocation.gpu_milli, gpu_memory if allocation.gpu_milli < WHOLE_GPU_MILLI else 0,
                 allocation.cpu_milli, allocation.memory_mb)
