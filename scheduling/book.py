@@ -59,6 +59,9 @@ class Book:
         self.caps = [cap.copy() for cap in (capacities if capacities is not None else problem.capacities)]
         self.instances: list[Instance] = []
         self.launchable: dict[str, int] = {t.offer.id: t.count for t in problem.targets if t.offer is not None}
+        # Shared caps of offer groups (a pool's max_instances): every launch of every path
+        # (mapping, greedy, exact, repairs) goes through `launch`, so the cap holds in all of them.
+        self.group_left: dict[str, int] = problem.snapshot.launch_limit_of()
         self.allowances: dict[str, Allowance] = {
             name: allowance_for(budget) for name, budget in problem.ctx.tenants.items()}
         self.placements: dict[str, Placement] = {}
@@ -201,13 +204,20 @@ class Book:
     def launch(self, target_index: int) -> Instance | None:
         target = self.problem.targets[target_index]
         assert target.offer is not None
-        if self.launchable[target.offer.id] <= 0:
+        if self.launches_left(target.offer.id, target.offer.launch_group) <= 0:
             return None
         self.launchable[target.offer.id] -= 1
+        if target.offer.launch_group in self.group_left:
+            self.group_left[target.offer.launch_group] -= 1
         number = sum(1 for i in self.instances if i.target == target_index)
         instance = Instance(target_index, number, NodeCapacity(offer_node(target.offer, target.spot)))
         self.instances.append(instance)
         return instance
+
+    def launches_left(self, offer_id: str, group: str = "") -> int:
+        """More instances of this offer the cycle may still launch (its own count and its group's cap)."""
+        left = self.launchable.get(offer_id, 0)
+        return min(left, self.group_left[group]) if group in self.group_left else left
 
     def instances_of(self, target_index: int) -> list[Instance]:
         return [i for i in self.instances if i.target == target_index]

@@ -197,6 +197,11 @@ def solve_exact(problem: Problem, original: list[NodeCapacity], time_limit_s: fl
         if slots:
             launchable = next(t.count for t in problem.targets if t.offer is not None and t.offer.id == offer_id)
             prob += pulp.lpSum(slots) <= launchable
+    for remaining, offer_ids in problem.group_caps:  # a pool's cap, shared by its instance types
+        slots = [unit.open_var for unit in units if unit.position is None  # type: ignore[attr-defined]
+                 and problem.targets[unit.target].offer.id in offer_ids]  # type: ignore[union-attr]
+        if slots:
+            prob += pulp.lpSum(slots) <= remaining
     for tenant, terms in sorted(tenant_terms.items()):
         budget = problem.ctx.tenants.get(tenant)
         if budget is None:

@@ -129,8 +129,8 @@ def _lost_reason(problem: Problem, book: Book, job: JobDemand, demand_class: Dem
                           f"BUDGET_EXCEEDED: budget: {job.tenant} has ${max(0.0, allowance.dollars):,.2f} left after "
                           f"this cycle's placements, cheapest fit costs ${cheapest:,.2f}", data)
     where = f"{fitting_nodes} nodes" + (f" and {len(fitting_offers)} cloud offers" if fitting_offers else "")
-    offer_left = {problem.targets[c.target].offer.id: book.launchable.get(problem.targets[c.target].offer.id, 0)
-                  for c in demand_class.candidates if problem.targets[c.target].offer is not None}
+    offer_left = {offer.id: book.launches_left(offer.id, offer.launch_group)
+                  for offer in (problem.targets[c.target].offer for c in demand_class.candidates) if offer is not None}
     if offer_left:
         data["offer_launchable_left"] = offer_left
         left_total = sum(offer_left.values())

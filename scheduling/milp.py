@@ -174,6 +174,11 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
     for number, (offer_id, variables) in enumerate(sorted(offer_instances.items())):
         launchable = next(t.count for t in problem.targets if t.offer is not None and t.offer.id == offer_id)
         prob += pulp.lpSum(variables) <= launchable, f"launchable_{number}"
+    # A pool's instance cap is shared by all its instance types.
+    for number, (remaining, offer_ids) in enumerate(problem.group_caps):
+        variables = [v for offer_id in offer_ids for v in offer_instances.get(offer_id, ())]
+        if variables:
+            prob += pulp.lpSum(variables) <= remaining, f"launch_group_{number}"
 
     _tenant_constraints(problem, prob, x)
     prob += pulp.LpAffineExpression(list(objective.items()))

@@ -118,11 +118,26 @@ class CloudOffer:
     fast_fabric: bool = False
     vcpus: int = 0
     memory_mb: int = 0
+    # Offers of one pool (one account) share its instance cap: `Snapshot.launch_limits` says how
+    # many more instances the group may launch, whatever their types. "" = no shared cap.
+    launch_group: str = ""
 
     @property
     def has_spot(self) -> bool:
         # Catalog quirk: a spot price at or above on-demand is no spot discount at all.
         return self.spot_price_per_hour is not None and 0 < self.spot_price_per_hour < self.ondemand_price_per_hour
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchLimit:
+    """At most `remaining` more instances, all types together, from the offers of `group`.
+
+    A pool's `max_instances` minus its live instances: a hard limit on money. A per-offer
+    `launchable` alone let one cycle launch the cap once per instance type (issue 8: 6 of 2).
+    """
+
+    group: str
+    remaining: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +257,12 @@ class Snapshot:
     seed: int = 0
     # Expected task mix for the fragmentation term; empty = the pending jobs themselves.
     workload: tuple[WorkloadClass, ...] = ()
+    # Shared instance caps of offer groups (pools); a group not listed has none.
+    launch_limits: tuple[LaunchLimit, ...] = ()
+
+    def launch_limit_of(self) -> dict[str, int]:
+        """Remaining launches per offer group (never negative)."""
+        return {limit.group: max(0, limit.remaining) for limit in self.launch_limits}
 
 
 # ------------------------------------------------------------------------------------------ plan

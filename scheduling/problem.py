@@ -20,7 +20,7 @@ from scheduling.model import (
 )
 from scheduling.plugins import FilterContext, FilterPlugin, first_rejection, resolve_filters, resolve_scores
 from scheduling.targets import (
-    Pricing, Target, build_offer_targets, build_shape_targets, priority_weight,
+    Pricing, Target, build_offer_targets, build_shape_targets, offer_group_caps, priority_weight,
 )
 
 # Cheapest offer variants kept per class: the rest are dominated for any realistic quota.
@@ -123,6 +123,11 @@ class Problem:
 
         return to_workload(workload_classes(self.snapshot))
 
+    @cached_property
+    def group_caps(self) -> list[tuple[int, tuple[str, ...]]]:
+        """(remaining launches, offer ids) per capped offer group: the MILPs' shared-cap rows."""
+        return offer_group_caps(self.snapshot.offers, self.snapshot.launch_limit_of())
+
 
 def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapacity] | None = None) -> Problem:
     """Group, filter and price everything one cycle needs. `capacities` lets a caller pass state
@@ -131,7 +136,7 @@ def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapac
     if capacities is None:
         capacities = [NodeCapacity(node) for node in sorted(snapshot.nodes, key=lambda n: n.id)]
     targets = build_shape_targets(capacities) + build_offer_targets(
-        tuple(sorted(snapshot.offers, key=lambda o: o.id)))
+        tuple(sorted(snapshot.offers, key=lambda o: o.id)), snapshot.launch_limit_of())
     ctx = FilterContext(pricing=pricing, tenants={t.tenant: t for t in snapshot.tenants})
     plugins = resolve_filters(policy.filters)
     weights = scaled_weights(snapshot.weights, policy)

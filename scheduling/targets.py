@@ -9,6 +9,7 @@ offer's launchable count.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from scheduling.capacity import NodeCapacity, PartDemand
@@ -84,15 +85,34 @@ def build_shape_targets(capacities: list[NodeCapacity]) -> list[Target]:
     return targets
 
 
-def build_offer_targets(offers: tuple[CloudOffer, ...]) -> list[Target]:
+def offer_launch_bound(offer: CloudOffer, group_limits: Mapping[str, int]) -> int:
+    """Instances of `offer` one cycle may launch: its own count, and its group's shared cap."""
+    bound = max(0, offer.launchable)
+    if offer.launch_group in group_limits:
+        bound = min(bound, max(0, group_limits[offer.launch_group]))
+    return bound
+
+
+def offer_group_caps(offers: tuple[CloudOffer, ...] | list[CloudOffer],
+                     group_limits: Mapping[str, int]) -> list[tuple[int, tuple[str, ...]]]:
+    """(remaining launches, offer ids) for every capped group that has offers, in a stable order."""
+    members: dict[str, set[str]] = {}
+    for offer in offers:
+        if offer.launch_group in group_limits:
+            members.setdefault(offer.launch_group, set()).add(offer.id)
+    return [(max(0, group_limits[group]), tuple(sorted(ids))) for group, ids in sorted(members.items())]
+
+
+def build_offer_targets(offers: tuple[CloudOffer, ...], group_limits: Mapping[str, int] | None = None) -> list[Target]:
     targets = []
     for offer in offers:
         if offer.gpu_count <= 0:
             continue
         variants = [False] + ([True] if offer.has_spot else [])
+        count = offer_launch_bound(offer, group_limits or {})
         for spot in variants:
             targets.append(Target(key=f"{offer.id}:{'spot' if spot else 'od'}", kind="offer",
-                                  rep=NodeCapacity(offer_node(offer, spot)), count=max(0, offer.launchable),
+                                  rep=NodeCapacity(offer_node(offer, spot)), count=count,
                                   offer=offer, spot=spot))
     return targets
 

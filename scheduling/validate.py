@@ -113,10 +113,16 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
         offer = offers.get(launch.offer_id)
         if offer is not None and abs(launch.price_per_hour - offer_price(offer, launch.spot)) > 1e-6:
             problems.append(f"{launch.launch_id}: price does not match the offer")
+    per_group: dict[str, int] = defaultdict(int)
     for offer_id, count in per_offer.items():
         offer = offers.get(offer_id)
         if offer is None or count > offer.launchable:
             problems.append(f"offer {offer_id}: {count} launches above its launchable count")
+        if offer is not None:
+            per_group[offer.launch_group] += count
+    for group, remaining in snapshot.launch_limit_of().items():
+        if per_group.get(group, 0) > remaining:
+            problems.append(f"launch group {group}: {per_group[group]} launches above its cap of {remaining} more")
     return problems
 
 
