@@ -1,4 +1,4 @@
-"""Command line: `python -m agent probe ...` and `python -m agent --server URL --join-token T ...`.
+"""Command line: `python -m agent probe ...` and `python -m agent --server URL --join-token-file F ...`.
 
 Exit codes: 0 clean stop, 1 unexpected error, 2 bad usage, 3 GPUs cannot be read (no driver),
 4 the broker refused registration (bad join token).
@@ -17,6 +17,7 @@ from pathlib import Path
 from agent import AGENT_VERSION
 from agent.backends import FakeSpecError, GpuBackendUnavailable, open_backend
 from agent.host import hostname
+from agent.jointoken import JoinTokenError, read_join_token, reexec_without_token
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_GPU_BACKEND, EXIT_REGISTRATION_REFUSED = 0, 1, 2, 3, 4
 PROG = "whalezen-agent"
@@ -34,6 +35,7 @@ def _probe_parser() -> argparse.ArgumentParser:
 def _run_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
+        allow_abbrev=False,  # jointoken.py finds --join-token by its full name
         description="WhaleZen node agent: registers this node's GPUs with the broker and runs assigned jobs. "
         "Use `probe` to only print the GPU inventory.",
     )
@@ -41,11 +43,19 @@ def _run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server", required=True, metavar="URL", help="broker base URL, e.g. http://broker:8000")
     parser.add_argument(
         "--join-token",
-        default=os.environ.get("WHALEZEN_JOIN_TOKEN"),
         metavar="TOKEN",
-        help="the pool's join token (or env WHALEZEN_JOIN_TOKEN, which `ps` cannot show); "
-        "only needed until the node is registered",
+        help="the pool's join token; `-` reads it from stdin (a literal value, or env WHALEZEN_JOIN_TOKEN, "
+        "makes the agent re-execute itself without it); only needed until the node is registered",
     )
+    parser.add_argument("--join-token-file", type=Path, metavar="PATH", help="read the join token from PATH")
+    parser.add_argument("--delete-join-token-file", action="store_true",
+                        help="delete the --join-token-file once the node is registered")
+    parser.add_argument("--join-token-fd", type=int, help=argparse.SUPPRESS)  # the re-exec hand-over
+    parser.add_argument("--job-user", default=os.environ.get("WHALEZEN_AGENT_JOB_USER"), metavar="USER",
+                        help="run jobs as USER (env WHALEZEN_AGENT_JOB_USER; default for root: whalezen-job if "
+                        "it exists, else nobody; `self`: as the agent's own user, which lets jobs read its secrets)")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where job work dirs go (default: <state dir>-jobs; never inside the state dir)")
     parser.add_argument("--name", default=None, help="node name (default: host name)")
     parser.add_argument("--state-dir", type=Path, default=None, help="where the node token and job state live")
     parser.add_argument("--heartbeat-seconds", type=float, default=None, help="override the broker's interval")
@@ -65,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _probe(_probe_parser().parse_args(args[1:]))
     if args[:1] == ["run"]:
         args = args[1:]
+    if argv is None:  # a real agent process: drop the token from environ and cmdline (jointoken.py)
+        try:
+            reexec_without_token(args)
+        except JoinTokenError as err:
+            return _fail(str(err), EXIT_USAGE)
     return _run(_run_parser().parse_args(args))
 
 
@@ -107,22 +122,31 @@ def _run(args: argparse.Namespace) -> int:
         labels[key] = value
     if args.fake_faults and not args.fake_gpus:
         return _fail("--fake-faults needs --fake-gpus", EXIT_USAGE)
+    if args.delete_join_token_file and not args.join_token_file:
+        return _fail("--delete-join-token-file needs --join-token-file", EXIT_USAGE)
+    try:
+        join_token = read_join_token(value=args.join_token, path=args.join_token_file, fd=args.join_token_fd)
+    except JoinTokenError as err:
+        return _fail(str(err), EXIT_USAGE)
     try:
         backend = open_backend(args.fake_gpus, faults_file=args.fake_faults, node_name=name)
     except FakeSpecError as err:
         return _fail(f"--fake-gpus: {err}", EXIT_USAGE)
     config = AgentConfig(
         server_url=args.server,
-        join_token=args.join_token,
+        join_token=join_token,
         name=name,
         state_dir=args.state_dir or default_state_dir(name),
         heartbeat_seconds=args.heartbeat_seconds,
         stop_grace_s=args.stop_grace_seconds,
         labels=labels,
+        job_user=args.job_user,
+        work_dir=args.work_dir,
+        join_token_file=args.join_token_file if args.delete_join_token_file else None,
     )
     try:
         agent = Agent(config, backend)
-    except ValueError as err:  # e.g. a server URL without http://
+    except ValueError as err:  # e.g. a server URL without http://, a job user that cannot be used
         return _fail(str(err), EXIT_USAGE)
     signal.signal(signal.SIGTERM, agent.request_stop)
     signal.signal(signal.SIGINT, agent.request_stop)

@@ -1,28 +1,41 @@
 """Assignments from the broker, and the job processes the agent runs for them.
 
 Each job runs in its own session (process group) so a stop reaches everything it spawned, with
-stdin closed and stdout/stderr appended to `<state dir>/jobs/<assignment id>/job.log`. Its working
-directory is that folder; a checkpoint request is a JSON file written there plus SIGUSR1 to the
-job's main process only (SIGUSR1 kills by default, so its helpers must not get it uninvited).
+stdin closed and stdout/stderr appended to `<work dir>/<assignment id>/job.log`. Its working
+directory is that folder (outside the agent's state dir, owned by the job user, see
+agent/isolation.py); a checkpoint request is a JSON file written there plus SIGUSR1 to the job's
+main process only (SIGUSR1 kills by default, so its helpers must not get it uninvited).
+
+The session's leader is agent/jobshim.py, which runs the job as the job user and takes the whole
+group down when the agent dies (PR_SET_PDEATHSIG), so no job outlives its agent. The job's folder
+is the job's to write: the agent never follows a link there (a job could point job.log or the
+request file at a file only the agent may read or write).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import select
 import signal
+import stat
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.isolation import JobUser, job_home, make_job_dir, prepare_work_root, resolve_job_user
 from agent.procs import catches_signal
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_REQUEST_FILE = "whalezen-checkpoint-request.json"
+JOBSHIM = Path(__file__).with_name("jobshim.py")
+SHIM_START_TIMEOUT_S = 30.0  # a Python start on a loaded node; only a wedged machine takes longer
 ACTIONS = ("start", "stop", "checkpoint")
 # Set by the agent; the assignment's env cannot override them.
 RESERVED_ENV = (
@@ -129,6 +142,7 @@ class RunningJob:
     assignment: Assignment
     process: subprocess.Popen[bytes]
     workdir: Path
+    main_pid: int | None = None  # the job's own first process (the shim's child), for SIGUSR1
     stop_reason: str | None = None
     stop_code: str | None = None
     kill_at: float | None = None
@@ -140,7 +154,8 @@ class RunningJob:
 
 
 def job_environment(
-    assignment: Assignment, *, workdir: Path, node_id: str | None, base_env: Mapping[str, str]
+    assignment: Assignment, *, workdir: Path, node_id: str | None, base_env: Mapping[str, str],
+    user: JobUser | None = None,
 ) -> dict[str, str]:
     env = {
         k: v
@@ -165,6 +180,8 @@ def job_environment(
             "WHALEZEN_CHECKPOINT_REQUEST_FILE": str(workdir / CHECKPOINT_REQUEST_FILE),
         }
     )
+    if user is not None:  # who the job is, not who the agent is (HOME=/root would be unwritable)
+        env.update({"HOME": job_home(user, workdir), "USER": user.name, "LOGNAME": user.name})
     if node_id:
         env["WHALEZEN_NODE_ID"] = node_id
     if assignment.checkpoint_uri:
@@ -180,8 +197,11 @@ class JobRunner:
         base_env: Mapping[str, str] | None = None,
         stop_grace_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        job_user: JobUser | None = None,
     ) -> None:
         self.jobs_dir = Path(jobs_dir)
+        self.job_user = job_user or resolve_job_user(None)
+        self._root_ready = False
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.stop_grace_s = stop_grace_s
         self._clock = clock
@@ -195,29 +215,76 @@ class JobRunner:
         return {i for job in self._running.values() for i in job.assignment.gpu_indices}
 
     def start(self, assignment: Assignment, *, node_id: str | None) -> RunningJob:
+        if not self._root_ready:
+            prepare_work_root(self.jobs_dir, self.job_user)
+            self._root_ready = True
         workdir = self.jobs_dir / _safe_name(assignment.id)
-        workdir.mkdir(parents=True, exist_ok=True)
-        env = job_environment(assignment, workdir=workdir, node_id=node_id, base_env=self.base_env)
+        make_job_dir(workdir, self.job_user)
+        env = job_environment(assignment, workdir=workdir, node_id=node_id, base_env=self.base_env,
+                              user=self.job_user)
         argv = ["/bin/sh", "-c", assignment.command] if isinstance(assignment.command, str) else list(assignment.command)
-        log_file = open(workdir / "job.log", "ab")
+        status_r, status_w = os.pipe()
+        try:
+            # O_NOFOLLOW: the folder is the job user's; never write through a link it left there.
+            log_fd = os.open(workdir / "job.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            os.close(status_r)
+            os.close(status_w)
+            raise JobStartError(f"cannot open the job's log: {err.strerror or err}") from None
         try:
             process = subprocess.Popen(
-                argv,
+                self._shim_argv(status_w, argv),
                 cwd=workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=log_file,
+                stdout=log_fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=(status_w,),
             )
         except OSError as err:
-            raise JobStartError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
+            os.close(status_r)
+            raise JobStartError(f"cannot start the job shim: {err.strerror or err}") from None
         finally:
-            log_file.close()  # the child has its own copy
-        job = RunningJob(assignment=assignment, process=process, workdir=workdir)
+            os.close(log_fd)  # the child has its own copies
+            os.close(status_w)
+        try:
+            main_pid = self._await_shim(process, status_r, argv)
+        finally:
+            os.close(status_r)
+        job = RunningJob(assignment=assignment, process=process, workdir=workdir, main_pid=main_pid)
         self._running[assignment.id] = job
-        log.info("assignment %s: started pid %d on GPUs %s", assignment.id, process.pid, env["CUDA_VISIBLE_DEVICES"])
+        log.info("assignment %s: started pid %d (group %d) as %s on GPUs %s", assignment.id, main_pid, process.pid,
+                 self.job_user.name, env["CUDA_VISIBLE_DEVICES"])
         return job
+
+    def _shim_argv(self, status_fd: int, argv: list[str]) -> list[str]:
+        shim = [sys.executable, "-I", "-S", str(JOBSHIM), "--parent", str(os.getpid()), "--status-fd",
+                str(status_fd), "--grace", str(self.stop_grace_s)]
+        if self.job_user.separate:
+            shim += ["--uid", str(self.job_user.uid), "--gid", str(self.job_user.gid)]
+        return [*shim, "--", *argv]
+
+    def _await_shim(self, process: subprocess.Popen[bytes], status_r: int, argv: list[str]) -> int:
+        """The shim's one line: `started PID` or `error ERRNO`. Raises JobStartError."""
+        deadline = time.monotonic() + SHIM_START_TIMEOUT_S
+        answer = b""
+        while not answer.endswith(b"\n") and time.monotonic() < deadline:
+            ready, _, _ = select.select([status_r], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            chunk = os.read(status_r, 64)
+            if not chunk:
+                break  # the shim died before it could tell
+            answer += chunk
+        word, _, value = answer.decode(errors="replace").strip().partition(" ")
+        if word == "started" and value.isdigit():
+            return int(value)
+        _signal_group(process, signal.SIGKILL)
+        code = process.wait()
+        if word == "error" and value.isdigit():
+            raise JobStartError(f"cannot start {argv[0]!r}: {os.strerror(int(value)) if int(value) else 'failed'}")
+        raise JobStartError(f"the job shim did not start the job (exit status {code})")
 
     def request_checkpoint(self, assignment_id: str, *, request_id: str, checkpoint_uri: str | None) -> str | None:
         """Write the request file, then SIGUSR1 the job if it handles it.
@@ -235,18 +302,30 @@ class JobRunner:
             "checkpoint_uri": checkpoint_uri or job.assignment.checkpoint_uri,
             "requested_at": time.time(),
         }
-        path = job.workdir / CHECKPOINT_REQUEST_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(request))
-        os.replace(tmp, path)  # the job never sees half a request
+        self._write_request(job.workdir, request)
         job.checkpoint_requests.append(request_id)
-        if not catches_signal(job.pid, signal.SIGUSR1):
+        target = job.main_pid or job.pid
+        if not catches_signal(target, signal.SIGUSR1):
             return "file_only"
         try:
-            os.kill(job.pid, signal.SIGUSR1)
+            os.kill(target, signal.SIGUSR1)
         except ProcessLookupError:
             return "file_only"
         return "signalled"
+
+    def _write_request(self, workdir: Path, request: dict[str, Any]) -> None:
+        # mkstemp creates a fresh name with O_EXCL (never through a link the job planted); the
+        # rename replaces whatever is at the final name, never a link's target. Whole or nothing.
+        fd, tmp = tempfile.mkstemp(dir=workdir, prefix=".checkpoint-request.")
+        try:
+            if self.job_user.separate:
+                os.fchown(fd, self.job_user.uid, self.job_user.gid)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(request, handle)
+            os.replace(tmp, workdir / CHECKPOINT_REQUEST_FILE)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def stop(self, assignment_id: str, *, reason: str, code: str = "requested") -> None:
         """SIGTERM the job's process group; SIGKILL follows in poll() after the grace period.
@@ -292,15 +371,19 @@ OUTPUT_TAIL_BYTES = 4000
 
 def output_tail(workdir: Path, limit: int = OUTPUT_TAIL_BYTES) -> str:
     """The last `limit` bytes of the job's combined stdout/stderr (job.log), decoded leniently."""
-    path = workdir / "job.log"
     try:
-        with path.open("rb") as handle:
-            handle.seek(0, 2)
-            size = handle.tell()
-            handle.seek(max(0, size - limit))
-            return handle.read().decode("utf-8", errors="replace")
+        # The job may have replaced job.log with a link to a file only the agent can read (its
+        # tail would go to the job's owner) or a FIFO (a read would block the agent): regular
+        # files only, never through a link.
+        fd = os.open(workdir / "job.log", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return ""
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        size = os.fstat(fd).st_size
+        handle.seek(max(0, size - limit))
+        return handle.read(limit).decode("utf-8", errors="replace")
 
 
 def _exit_of(job: RunningJob, code: int) -> JobExit:

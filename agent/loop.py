@@ -27,6 +27,7 @@ from typing import Any
 from agent.backends.base import GpuBackend
 from agent.backoff import Backoff
 from agent.client import BrokerAuthError, BrokerClient, BrokerRejected, BrokerUnavailable
+from agent.isolation import check_work_dir, default_work_dir, resolve_job_user, shared_user_warning
 from agent.jobs import Assignment, AssignmentInvalid, JobExit, JobRunner, JobStartError
 from agent.model import GpuReading, Health
 from agent.procs import kill_orphan, process_start_ticks
@@ -55,6 +56,9 @@ class AgentConfig:
     stop_grace_s: float = 10.0
     http_timeout_s: float = 10.0
     labels: dict[str, str] | None = None
+    job_user: str | None = None  # user name/uid, "self", or None: the default (agent/isolation.py)
+    work_dir: Path | None = None  # where job dirs go; None: `<state dir>-jobs`, never inside the state dir
+    join_token_file: Path | None = None  # deleted once the node is registered (--delete-join-token-file)
 
 
 class Agent:
@@ -75,7 +79,11 @@ class Agent:
         self.store = StateStore(config.state_dir)
         self.state: AgentState = self.store.load_state()
         self.identity: Identity | None = self._load_identity()
-        self.runner = JobRunner(self.store.jobs_dir, base_env=base_env, stop_grace_s=config.stop_grace_s, clock=clock)
+        work_dir = config.work_dir or default_work_dir(config.state_dir)
+        check_work_dir(work_dir, config.state_dir)  # raises ValueError: a usage error
+        self.job_user = resolve_job_user(config.job_user)
+        self.runner = JobRunner(work_dir, base_env=base_env, stop_grace_s=config.stop_grace_s, clock=clock,
+                                job_user=self.job_user)
         self.backoff = Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s, rng=rng)
         # Stop request from a signal handler: a flag plus a byte down a pipe that the loop's select()
         # waits on. A threading.Event cannot be used there: the handler runs on the main thread,
@@ -102,6 +110,12 @@ class Agent:
             return
         self.backend.start()
         self.backend.inventory()
+        if self.job_user.separate:
+            log.info("jobs run as user %s (uid %d), work dirs under %s", self.job_user.name, self.job_user.uid,
+                     self.runner.jobs_dir)
+        else:
+            log.warning("%s", shared_user_warning(self.job_user, self.config.state_dir))
+        # Before the first call to the broker: nothing a previous run left may keep running.
         self._fence_orphans()
         self._started = True
 
@@ -207,6 +221,7 @@ class Agent:
             name=self.config.name,
             agent_key=self.state.agent_key,
             labels=self.config.labels or {},
+            job_isolation=self.job_user.isolation,
         )
         try:
             body = self.client.register(payload)
@@ -223,12 +238,21 @@ class Agent:
             raise BrokerUnavailable(f"registration answer lacks {err}") from None
         self.store.save_identity(identity)
         self.identity = identity
+        self._drop_join_token_file()
         if self.state.node_id != identity.node_id:
             self._forget_previous_node(identity.node_id)
         self._see_epoch(body.get("epoch"))
         if self.config.heartbeat_seconds is None and body.get("heartbeat_seconds"):
             self.heartbeat_s = float(body["heartbeat_seconds"])
         log.info("registered as node %s (%d GPUs)", identity.node_id, len(self.backend.inventory().gpus))
+
+    def _drop_join_token_file(self) -> None:
+        """Registered: the join token file has done its job; a file nobody reads cannot leak."""
+        if self.config.join_token_file is not None:
+            try:
+                self.config.join_token_file.unlink(missing_ok=True)
+            except OSError as err:
+                log.warning("cannot delete the join token file %s: %s", self.config.join_token_file, err)
 
     def _sample(self, now: float) -> None:
         try:

@@ -27,9 +27,37 @@ def process_start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
         return None
 
 
+def group_members(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+    """Pids whose process group is `pgid` (field 5 of /proc/<pid>/stat)."""
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = raw[raw.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
 def kill_orphan(pid: int | None, start_ticks: int | None, *, grace_s: float) -> bool:
-    """SIGTERM then SIGKILL the process group of `pid` if it is still the process we started."""
-    if pid is None or start_ticks is None or process_start_ticks(pid) != start_ticks:
+    """SIGTERM then SIGKILL the process group a previous agent started as `pid`, if it still exists.
+
+    Two cases are ours: `pid` is alive with the recorded start time (the group's leader, the job
+    shim), or `pid` is gone but processes remain in group `pid` (the leader died, its job's
+    children did not). Linux never hands out a pid that is still some group's id, so a group
+    `pid` without a live `pid` is the one we started. A live `pid` with another start time is an
+    unrelated process that reused the number: left alone.
+    """
+    if pid is None or start_ticks is None:
+        return False
+    leader = process_start_ticks(pid)
+    if leader is not None and leader != start_ticks:
+        return False
+    if leader is None and not group_members(pid):
         return False
     log.warning("stopping orphaned job process group %d left by a previous agent", pid)
     try:
@@ -37,7 +65,7 @@ def kill_orphan(pid: int | None, start_ticks: int | None, *, grace_s: float) -> 
     except (ProcessLookupError, PermissionError):
         return False
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and process_start_ticks(pid) == start_ticks:
+    while time.monotonic() < deadline and group_members(pid):
         time.sleep(0.05)
     try:
         os.killpg(pid, signal.SIGKILL)

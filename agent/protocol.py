@@ -11,7 +11,8 @@ from agent.model import GpuReading, NodeInventory
 
 
 def registration_payload(
-    *, inventory: NodeInventory, join_token: str, name: str, agent_key: str, labels: Mapping[str, str]
+    *, inventory: NodeInventory, join_token: str, name: str, agent_key: str, labels: Mapping[str, str],
+    job_isolation: str = "separate-user",
 ) -> dict[str, Any]:
     topology_by_index = {t.index: t for t in inventory.topology}
     gpus = []
@@ -42,6 +43,8 @@ def registration_payload(
         "cpu_milli": inventory.cpu_count * 1000,
         "memory_mb": inventory.memory_mb,
         "labels": dict(labels),
+        # "shared-user": jobs run as the agent's own user and could read its secrets (isolation.py).
+        "job_isolation": job_isolation,
         "driver_version": inventory.driver_version,
         "cuda_driver_version": inventory.cuda_driver_version,
         "backend": inventory.backend,

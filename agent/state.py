@@ -5,6 +5,8 @@
   registration), the highest epoch seen (stale-epoch refusal must survive restarts), the status
   reports not yet delivered (outbox), and the assignments this agent has run.
 Files are replaced atomically (write, fsync, rename) so a crash never leaves half a file.
+The directory is the agent's alone (mode 0700, checked at every start): jobs run as another user
+and their work dirs live elsewhere (agent/isolation.py).
 """
 from __future__ import annotations
 
@@ -63,13 +65,23 @@ class AgentState:
             del self.jobs[aid]
 
 
+class StateDirError(ValueError):
+    pass
+
+
 class StateStore:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        owner = self.directory.stat().st_uid
+        if owner != os.geteuid():
+            raise StateDirError(f"state dir {self.directory} belongs to uid {owner}, not to this agent "
+                                f"(uid {os.geteuid()}): another user could read or replace the node token")
+        # mkdir's mode only applies to a folder it creates, and older agents kept job dirs (which
+        # jobs could write) in here: close it whatever it was.
+        os.chmod(self.directory, 0o700)
         self.identity_path = self.directory / "identity.json"
         self.state_path = self.directory / "state.json"
-        self.jobs_dir = self.directory / "jobs"
 
     def load_identity(self) -> Identity | None:
         data = _read_json(self.identity_path)

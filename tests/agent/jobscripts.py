@@ -1,9 +1,28 @@
-"""Job commands for tests: small Python programs run by the agent as real processes."""
+"""Job commands for tests: small Python programs run by the agent as real processes.
+
+Jobs run as the default job user (`nobody` here: the tests run as root), so their interpreter
+must be one that user can execute: this venv's Python may live under a home directory that is
+closed to it (/root is 0700).
+"""
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+from pathlib import Path
 
-PY = sys.executable
+from agent.isolation import can_reach, resolve_job_user
+
+
+def _python_for_jobs() -> str:
+    user = resolve_job_user(None)
+    for candidate in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
+        if candidate and can_reach(Path(os.path.realpath(candidate)), user, need=os.X_OK):
+            return candidate
+    raise RuntimeError(f"no Python interpreter that the job user {user.name} can run")
+
+
+PY = _python_for_jobs()
 
 # Writes its environment to env.json in its working directory, then exits with code $EXIT_CODE.
 WRITE_ENV = [PY, "-c", (

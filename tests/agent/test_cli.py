@@ -82,7 +82,7 @@ def test_agent_process_joins_runs_a_job_and_stops_cleanly_on_sigterm(broker, tmp
                  "two heartbeats and the job's exit")
         assert broker.state.registrations[0]["name"] == "edge-1"
         assert [s["state"] for s in broker.statuses_for("a1")] == ["running", "exited"]
-        env = json.loads((state_dir / "jobs" / "a1" / "env.json").read_text())
+        env = json.loads((tmp_path / "s-jobs" / "a1" / "env.json").read_text())
         assert env["CUDA_VISIBLE_DEVICES"] == "1" and "WHALEZEN_JOIN_TOKEN" not in env
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)

@@ -36,62 +36,62 @@ def wait_for(condition, *, what: str, runner: JobRunner | None = None, limit_s: 
     raise AssertionError(f"gave up waiting for {what}")
 
 
-def test_environment_has_exactly_the_assigned_gpus_and_job_identity(tmp_path):
+def test_environment_has_exactly_the_assigned_gpus_and_job_identity(open_dir):
     base = {"PATH": "/usr/bin", "HOME": "/root", "WHALEZEN_JOIN_TOKEN": "secret", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    env = job_environment(assignment(), workdir=tmp_path, node_id="n7", base_env=base)
+    env = job_environment(assignment(), workdir=open_dir, node_id="n7", base_env=base)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,5"
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["WHALEZEN_JOB_ID"] == "j1" and env["WHALEZEN_ASSIGNMENT_ID"] == "a1"
     assert env["WHALEZEN_EPOCH"] == "3" and env["WHALEZEN_NODE_ID"] == "n7"
     assert env["WHALEZEN_CHECKPOINT_URI"] == "s3://ckpt/j1"
-    assert env["WHALEZEN_CHECKPOINT_REQUEST_FILE"] == str(tmp_path / CHECKPOINT_REQUEST_FILE)
+    assert env["WHALEZEN_CHECKPOINT_REQUEST_FILE"] == str(open_dir / CHECKPOINT_REQUEST_FILE)
     assert env["EPOCHS"] == "10" and env["PATH"] == "/usr/bin"
     assert "WHALEZEN_JOIN_TOKEN" not in env  # the agent's secrets never reach jobs
 
 
-def test_assignment_env_cannot_override_what_the_agent_sets(tmp_path):
+def test_assignment_env_cannot_override_what_the_agent_sets(open_dir):
     a = assignment(env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "WHALEZEN_JOB_ID": "other", "OK": "1"})
-    env = job_environment(a, workdir=tmp_path, node_id=None, base_env={})
+    env = job_environment(a, workdir=open_dir, node_id=None, base_env={})
     assert env["CUDA_VISIBLE_DEVICES"] == "2,5" and env["WHALEZEN_JOB_ID"] == "j1" and env["OK"] == "1"
     assert "WHALEZEN_NODE_ID" not in env
 
 
-def test_job_runs_with_its_environment_and_exit_code_zero(tmp_path):
-    runner = JobRunner(tmp_path, base_env={"PATH": "/usr/bin:/bin"})
+def test_job_runs_with_its_environment_and_exit_code_zero(open_dir):
+    runner = JobRunner(open_dir, base_env={"PATH": "/usr/bin:/bin"})
     job = runner.start(assignment(), node_id="n1")
     assert runner.busy_gpus() == {2, 5}
     exits = wait_for(runner.poll, what="job exit")
     assert [(e.assignment_id, e.state, e.exit_code) for e in exits] == [("a1", "exited", 0)]
     env = json.loads((job.workdir / "env.json").read_text())
     assert env["CUDA_VISIBLE_DEVICES"] == "2,5" and env["WHALEZEN_JOB_ID"] == "j1"
-    assert Path(env["WHALEZEN_WORK_DIR"]) == job.workdir == tmp_path / "a1"
+    assert Path(env["WHALEZEN_WORK_DIR"]) == job.workdir == open_dir / "a1"
     assert runner.running == {} and runner.busy_gpus() == set()
 
 
-def test_non_zero_exit_is_a_failure(tmp_path):
-    runner = JobRunner(tmp_path, base_env={})
+def test_non_zero_exit_is_a_failure(open_dir):
+    runner = JobRunner(open_dir, base_env={})
     runner.start(assignment(env={"EXIT_CODE": "7"}), node_id=None)
     (exit_,) = wait_for(runner.poll, what="job exit")
     assert (exit_.state, exit_.exit_code, exit_.message) == ("failed", 7, "exited with code 7")
 
 
-def test_shell_string_command_and_log_file(tmp_path):
-    runner = JobRunner(tmp_path, base_env={"PATH": "/usr/bin:/bin"})
+def test_shell_string_command_and_log_file(open_dir):
+    runner = JobRunner(open_dir, base_env={"PATH": "/usr/bin:/bin"})
     job = runner.start(assignment(command="echo hello from $WHALEZEN_JOB_ID; exit 4"), node_id=None)
     (exit_,) = wait_for(runner.poll, what="job exit")
     assert exit_.exit_code == 4
     assert (job.workdir / "job.log").read_text() == "hello from j1\n"
 
 
-def test_missing_program_cannot_start(tmp_path):
-    runner = JobRunner(tmp_path, base_env={})
+def test_missing_program_cannot_start(open_dir):
+    runner = JobRunner(open_dir, base_env={})
     with pytest.raises(JobStartError, match="cannot start '/no/such/program'"):
         runner.start(assignment(command=["/no/such/program"]), node_id=None)
     assert runner.running == {}
 
 
-def test_stop_sends_sigterm_and_reports_stopped(tmp_path):
-    runner = JobRunner(tmp_path, base_env={})
+def test_stop_sends_sigterm_and_reports_stopped(open_dir):
+    runner = JobRunner(open_dir, base_env={})
     job = runner.start(assignment(command=jobscripts.SLEEPER), node_id=None)
     wait_for(lambda: (job.workdir / "ready").exists(), what="job ready")
     runner.stop("a1", reason="stop requested by the broker")
@@ -100,8 +100,8 @@ def test_stop_sends_sigterm_and_reports_stopped(tmp_path):
     assert exit_.message == "stop requested by the broker (exit code 0)"
 
 
-def test_job_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, clock):
-    runner = JobRunner(tmp_path, base_env={}, stop_grace_s=30, clock=clock)
+def test_job_ignoring_sigterm_is_killed_after_the_grace_period(open_dir, clock):
+    runner = JobRunner(open_dir, base_env={}, stop_grace_s=30, clock=clock)
     job = runner.start(assignment(command=jobscripts.STUBBORN), node_id=None)
     wait_for(lambda: (job.workdir / "ready").exists(), what="job ready")
     runner.stop("a1", reason="fenced")
@@ -112,8 +112,8 @@ def test_job_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, clock):
     assert exit_.state == "stopped" and exit_.exit_code == -9 and "SIGKILL" in exit_.message
 
 
-def test_checkpoint_request_writes_the_file_and_signals_the_job(tmp_path):
-    runner = JobRunner(tmp_path, base_env={})
+def test_checkpoint_request_writes_the_file_and_signals_the_job(open_dir):
+    runner = JobRunner(open_dir, base_env={})
     job = runner.start(assignment(command=jobscripts.CHECKPOINTABLE), node_id=None)
     wait_for(lambda: (job.workdir / "ready").exists(), what="job ready")
     assert runner.request_checkpoint("a1", request_id="c1", checkpoint_uri=None) == "signalled"
@@ -124,8 +124,8 @@ def test_checkpoint_request_writes_the_file_and_signals_the_job(tmp_path):
     assert done["request_id"] == "c1" and done["job_id"] == "j1" and done["checkpoint_uri"] == "s3://ckpt/j1"
 
 
-def test_checkpoint_request_never_kills_a_job_without_a_handler(tmp_path):
-    runner = JobRunner(tmp_path, base_env={}, stop_grace_s=0.2)
+def test_checkpoint_request_never_kills_a_job_without_a_handler(open_dir):
+    runner = JobRunner(open_dir, base_env={}, stop_grace_s=0.2)
     job = runner.start(assignment(command=jobscripts.STUBBORN), node_id=None)
     wait_for(lambda: (job.workdir / "ready").exists(), what="job ready")
     assert runner.request_checkpoint("a1", request_id="c1", checkpoint_uri="s3://other") == "file_only"
@@ -136,8 +136,8 @@ def test_checkpoint_request_never_kills_a_job_without_a_handler(tmp_path):
     runner.stop_all(reason="test over")
 
 
-def test_stop_all_ends_every_job(tmp_path):
-    runner = JobRunner(tmp_path, base_env={}, stop_grace_s=0.5)
+def test_stop_all_ends_every_job(open_dir):
+    runner = JobRunner(open_dir, base_env={}, stop_grace_s=0.5)
     runner.start(assignment(id="a1", command=jobscripts.SLEEPER), node_id=None)
     runner.start(assignment(id="a2", gpu_indices=[0], command=jobscripts.STUBBORN), node_id=None)
     exits = runner.stop_all(reason="agent shutting down")
@@ -170,8 +170,8 @@ def test_invalid_assignments_are_explained(change, fragment):
     assert fragment in str(err.value)
 
 
-def test_exit_report_carries_the_end_of_the_jobs_output(tmp_path):
-    runner = JobRunner(tmp_path, base_env={"PATH": "/usr/bin:/bin"})
+def test_exit_report_carries_the_end_of_the_jobs_output(open_dir):
+    runner = JobRunner(open_dir, base_env={"PATH": "/usr/bin:/bin"})
     script = "for i in $(seq 1 2000); do echo line $i; done; echo 'Traceback: boom' >&2; exit 3"
     runner.start(assignment(command=script), node_id=None)
     (exit_,) = wait_for(runner.poll, what="job exit")
