@@ -55,6 +55,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Outermost: every response gets its X-Request-ID, and errors under /api/ answer JSON.
+    "broker.api.middleware.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -184,6 +186,12 @@ WHALEZEN_BOOT_TIMEOUT_SECONDS = int(os.environ.get("WHALEZEN_BOOT_TIMEOUT_SECOND
 
 # Largest request body the API parses; bigger ones get a 400 naming `body`.
 WHALEZEN_MAX_BODY_BYTES = int(os.environ.get("WHALEZEN_MAX_BODY_BYTES", 256 * 1024))
+# Deepest nesting of lists/objects a JSON or YAML body may have (job specs need 3, agents 4).
+WHALEZEN_MAX_BODY_DEPTH = int(os.environ.get("WHALEZEN_MAX_BODY_DEPTH", 32))
+# Local checkpoint URIs (absolute paths, file://) must lie under one of these directories.
+WHALEZEN_CHECKPOINT_ROOTS = [
+    r.strip() for r in os.environ.get("WHALEZEN_CHECKPOINT_ROOTS", str(VAR_DIR / "checkpoints")).split(",") if r.strip()
+]
 DATA_UPLOAD_MAX_MEMORY_SIZE = WHALEZEN_MAX_BODY_BYTES
 
 # Task queue: Redis when REDIS_URL is set, otherwise Celery's file-system transport under var/.

@@ -28,6 +28,7 @@ class GpuModelViewSet(viewsets.ReadOnlyModelViewSet):
 
     queryset = GpuModel.objects.all()
     serializer_class = GpuModelSerializer
+    lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
     schema = WhaleZenAutoSchema()
 
 
@@ -42,6 +43,7 @@ class PoolSerializer(serializers.ModelSerializer):
 class PoolViewSet(TenantReadOnlyViewSet):
     queryset = Pool.objects.all()
     serializer_class = PoolSerializer
+    lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
     schema = WhaleZenAutoSchema()
 
 
@@ -88,6 +90,7 @@ class NodeFilter(django_filters.FilterSet):
 class NodeViewSet(TenantReadOnlyViewSet):
     queryset = Node.objects.select_related("pool").prefetch_related("gpus__slices")
     serializer_class = NodeSerializer
+    lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
     filterset_class = NodeFilter
     schema = WhaleZenAutoSchema()
 

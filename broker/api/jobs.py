@@ -127,6 +127,7 @@ class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMix
                                                                      "allocations__node")
     serializer_class = JobSerializer
     filterset_class = JobFilter
+    lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
     schema = WhaleZenAutoSchema()
 
     def get_throttles(self):

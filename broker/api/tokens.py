@@ -49,6 +49,7 @@ class TokenViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMode
     queryset = ApiToken.objects.select_related("user").order_by("-created_at")
     serializer_class = TokenSerializer
     schema = WhaleZenAutoSchema()
+    lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
 
     def scope(self, queryset):
         queryset = super().scope(queryset)
