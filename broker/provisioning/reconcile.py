@@ -55,11 +55,13 @@ def _records(pool: Pool) -> list[KnownInstance]:
             for r in rows]
 
 
-def pool_reconcile(*, pool: Pool) -> PoolReconcileSummary:
+def pool_reconcile(*, pool: Pool, orphan_grace_seconds: float | None = None) -> PoolReconcileSummary:
+    """`orphan_grace_seconds` overrides WHALEZEN_ORPHAN_GRACE_SECONDS (serve passes 0 for the `local`
+    pools at start: their instances are this machine's processes and no launch can be in flight)."""
     provider = PoolScopedProvider(provider_for_pool(pool), pool)
+    grace = settings.WHALEZEN_ORPHAN_GRACE_SECONDS if orphan_grace_seconds is None else orphan_grace_seconds
     report: ReconcileReport = reconcile(
-        {pool.kind: provider}, _records(pool),
-        orphan_grace=timedelta(seconds=settings.WHALEZEN_ORPHAN_GRACE_SECONDS))
+        {pool.kind: provider}, _records(pool), orphan_grace=timedelta(seconds=grace))
     summary = PoolReconcileSummary(pool=str(pool), errors=list(report.errors))
     for adoption in report.adopted:
         CloudInstance.objects.filter(pool=pool, request_key=adoption.record.request_key, provider_id="").update(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from broker.ops.services import periodic_run_record
 from broker.scheduler.services import scheduling_cycle_run, tenants_with_pending_jobs
 from broker.scheduler.timeouts import stalled_boots_retire, stalled_starts_requeue
 from broker.tenancy.models import Tenant
@@ -23,3 +24,4 @@ def scheduling_sweep() -> None:
     stalled_boots_retire()
     for tenant in tenants_with_pending_jobs():
         scheduling_cycle.delay(tenant.pk)
+    periodic_run_record(name="scheduler.sweep")  # /healthz: scheduling is alive

@@ -1,13 +1,19 @@
 """Demo data: two tenants with admins, GPU models, an on-prem pool of simulated nodes, one token each.
 
-Idempotent: re-running keeps existing rows and replaces each tenant's demo token (its secret is only
-known at creation, so a fresh one is printed every time).
+Idempotent: re-running keeps existing rows and the same demo tokens, so `make run` twice gives the
+same demo. A token's secret is only known at creation, so the demo tokens are kept in
+`var/demo-tokens.json` (mode 0600, beside the SQLite database); a token that file does not hold, or
+that no longer works, is replaced by a new one. Each on-prem pool records its demo nodes and their
+fake GPUs in `provider_config["demo_nodes"]`, which is how `serve` knows which agents to start.
 """
 from __future__ import annotations
 
+import json
 import os
 from decimal import Decimal
+from pathlib import Path
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
@@ -15,6 +21,8 @@ from django.db import transaction
 from broker.inventory.gpu_catalog import DEFAULT_GPU_MODELS, compute_units_for
 from broker.inventory.models import GpuModel, Pool, PoolKind
 from broker.inventory.services import node_create_simulated
+from broker.ops.demo_agents import DEMO_NODES_KEY, fake_spec
+from broker.tenancy import tokens
 from broker.tenancy.models import ApiToken, Quota, Role, Tenant
 from broker.tenancy.services import api_token_create, membership_add
 
@@ -58,12 +66,48 @@ def seed_gpu_models() -> dict[str, GpuModel]:
     return models
 
 
+def demo_tokens_path() -> Path:
+    return Path(settings.VAR_DIR) / "demo-tokens.json"
+
+
+def _saved_tokens() -> dict[str, str]:
+    try:
+        saved = json.loads(demo_tokens_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(saved, dict) \
+        else {}
+
+
+def _save_tokens(secrets: dict[str, str]) -> None:
+    path = demo_tokens_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # a secret: never readable by others
+    with os.fdopen(fd, "w") as handle:
+        json.dump(secrets, handle, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def demo_token(*, tenant: Tenant, user, saved: str | None) -> str:
+    """The tenant's demo token: the saved one while it still works, else a fresh one."""
+    current = ApiToken.objects.filter(tenant=tenant, user=user, name=DEMO_TOKEN_NAME)
+    if saved and (prefix := tokens.split_prefix(saved)):
+        token = current.filter(prefix=prefix).first()
+        if token is not None and tokens.matches(saved, token.secret_hash) and token.is_active:
+            current.exclude(pk=token.pk).delete()
+            return saved
+    current.delete()
+    return api_token_create(tenant=tenant, user=user, name=DEMO_TOKEN_NAME).secret
+
+
 class Command(BaseCommand):
     help = "Create demo tenants, users, GPU models and simulated nodes; print one API token per tenant."
 
     def handle(self, *args, **options) -> None:
         password = os.environ.get("WHALEZEN_DEMO_PASSWORD", "whalezen-demo")
         User = get_user_model()
+        saved, secrets = _saved_tokens(), {}
         with transaction.atomic():
             models = seed_gpu_models()
             lines = []
@@ -79,6 +123,11 @@ class Command(BaseCommand):
                 pool, _ = Pool.objects.get_or_create(
                     tenant=tenant, name="onprem", defaults={"kind": PoolKind.ONPREM, "region": "dc1",
                                                             "gpu_hour_rate_usd": Decimal("1.10")})
+                # The durable demo marker (see the module docstring); replaced, not merged, every seed.
+                pool.provider_config = {**(pool.provider_config or {}), DEMO_NODES_KEY: {
+                    f"{prefix}-{i}": fake_spec(model_name, gpus)
+                    for prefix, count, model_name, gpus, _ in node_groups for i in range(count)}}
+                pool.save(update_fields=["provider_config"])
                 Pool.objects.get_or_create(
                     tenant=tenant, name="cloud-sim",
                     defaults={"kind": PoolKind.LOCAL, "region": "sim-east-1", "max_instances": 2,
@@ -88,8 +137,8 @@ class Command(BaseCommand):
                         node_create_simulated(pool=pool, name=f"{prefix}-{i}", gpu_model=models[model_name],
                                               gpu_count=gpus, nvlink_island_size=island,
                                               cpu_milli=gpus * 12000, memory_mb=gpus * 120 * 1024)
-                ApiToken.objects.filter(tenant=tenant, user=user, name=DEMO_TOKEN_NAME).delete()
-                created_token = api_token_create(tenant=tenant, user=user, name=DEMO_TOKEN_NAME)
-                lines.append(f"TOKEN {slug} {created_token.secret}")
+                secrets[slug] = demo_token(tenant=tenant, user=user, saved=saved.get(slug))
+                lines.append(f"TOKEN {slug} {secrets[slug]}")
+            _save_tokens(secrets)
         for line in lines:
             self.stdout.write(line)

@@ -1,0 +1,18 @@
+"""What the service's own health check reads: when each periodic sweep last ran.
+
+In the database on purpose: the sweeps run in the worker, /healthz in the web process, and the
+default cache is per-process memory, so only the database is shared by all of them.
+"""
+from __future__ import annotations
+
+from django.db import models
+
+
+class PeriodicRun(models.Model):
+    """One row per periodic task (`scheduler.sweep`, `agents.mark_lost`), updated after each run."""
+
+    name = models.CharField(max_length=100, unique=True, help_text="The Celery task name")
+    last_run_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.name} @ {self.last_run_at:%Y-%m-%d %H:%M:%S}"
