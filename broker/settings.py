@@ -151,6 +151,9 @@ REST_FRAMEWORK = {
         "job_submit": os.environ.get("WHALEZEN_SUBMIT_RATE", "600/min"),
     },
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+    # Per-address throttles (agent registration) read REMOTE_ADDR: X-Forwarded-For is the client's
+    # to forge unless this many proxies in front of the broker set it.
+    "NUM_PROXIES": int(os.environ.get("WHALEZEN_NUM_PROXIES", 0)),
 }
 
 SPECTACULAR_SETTINGS = {
@@ -183,6 +186,12 @@ WHALEZEN_ORPHAN_GRACE_SECONDS = int(os.environ.get("WHALEZEN_ORPHAN_GRACE_SECOND
 # boot timeout, is given up on and its jobs are placed again.
 WHALEZEN_START_TIMEOUT_SECONDS = int(os.environ.get("WHALEZEN_START_TIMEOUT_SECONDS", 600))
 WHALEZEN_BOOT_TIMEOUT_SECONDS = int(os.environ.get("WHALEZEN_BOOT_TIMEOUT_SECONDS", 1200))
+
+# Agent routes (broker/agents/throttles.py): registration per client address, the rest per node.
+WHALEZEN_AGENT_REGISTER_RATE = os.environ.get("WHALEZEN_AGENT_REGISTER_RATE", "30/min")
+WHALEZEN_AGENT_HEARTBEAT_RATE = os.environ.get("WHALEZEN_AGENT_HEARTBEAT_RATE", "60/min")
+WHALEZEN_AGENT_ASSIGNMENTS_RATE = os.environ.get("WHALEZEN_AGENT_ASSIGNMENTS_RATE", "60/min")
+WHALEZEN_AGENT_STATUS_RATE = os.environ.get("WHALEZEN_AGENT_STATUS_RATE", "600/min")
 
 # Largest request body the API parses; bigger ones get a 400 naming `body`.
 WHALEZEN_MAX_BODY_BYTES = int(os.environ.get("WHALEZEN_MAX_BODY_BYTES", 256 * 1024))

@@ -5,6 +5,7 @@ from rest_framework import authentication, exceptions, permissions
 from rest_framework.request import Request
 
 from broker.agents.selectors import node_for_token
+from broker.agents.services import node_give_up, node_given_up
 from broker.inventory.models import Node
 
 
@@ -17,6 +18,12 @@ class NodeTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <node token>'.")
         node = node_for_token(header[1])
         if node is None:
+            raise exceptions.AuthenticationFailed("Invalid or revoked node token.")
+        given_up = node_given_up(node)
+        if given_up is not None:
+            # Checked on every call rather than only where the broker gives up (lost-node sweep,
+            # termination, reconciler...): whichever path got there, the token stops working here.
+            node_give_up(node=node, reason=given_up)
             raise exceptions.AuthenticationFailed("Invalid or revoked node token.")
         return None, node  # no user: request.auth is the Node
 

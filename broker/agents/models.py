@@ -7,6 +7,14 @@ from broker.inventory.models import Node
 from broker.jobs.models import Allocation
 
 
+class JobIsolation(models.TextChoices):
+    """How the agent runs its jobs, as it says at registration."""
+
+    SEPARATE_USER = "separate-user", "Jobs run as a separate unprivileged user"
+    # Jobs run as the agent's own user and could read its secrets (node token, join token).
+    SHARED_USER = "shared-user", "Jobs share the agent's user"
+
+
 class NodeAgent(models.Model):
     """The agent of one node: how it identifies itself and what it said last."""
 
@@ -17,6 +25,8 @@ class NodeAgent(models.Model):
     backend = models.CharField(max_length=200, blank=True, help_text='"nvml" or "fake:<spec>"')
     driver_version = models.CharField(max_length=64, blank=True)
     cuda_driver_version = models.CharField(max_length=16, blank=True)
+    job_isolation = models.CharField(max_length=16, choices=JobIsolation.choices, blank=True,
+                                     help_text="Empty: the agent did not say (an agent older than this field)")
     registered_at = models.DateTimeField()
     last_telemetry = models.JSONField(default=list, blank=True, help_text="Latest readings, all fields")
     processes = models.JSONField(default=list, blank=True, help_text="Job processes in the latest heartbeat")

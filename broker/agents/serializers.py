@@ -1,124 +1,276 @@
 """Validation of what agents send (docs/agent.md). Bad input is a 400 naming the field, never a 500.
 
-Readings NVML could not take arrive as null; every such field is optional and nullable here.
+Everything an agent sends is untrusted input, exactly like a user's job spec (a join token can leak,
+a job can steal a node token): the same strict fields, unknown keys refused, every string, list and
+map bounded, and each body of the shape `agent/protocol.py` really builds. Readings NVML could not
+take arrive as null; every such field is optional and nullable here.
 """
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from rest_framework import serializers
 
+from broker.api.fields import (StrictBooleanField, StrictCharField, StrictFloatField, StrictIntegerField,
+                               StrictSerializer)
+from broker.inventory.labels import MAX_LABELS, label_key_problem, label_value_problem
+
 MAX_GPUS = 64  # more GPUs than any real node has; bounds the work one request can cause
+MAX_NVLINKS = 32  # NVML_NVLINK_MAX_LINKS is 18 (Hopper, Blackwell)
+# The topology of an 8-GPU HGX board with 18 NVLinks per GPU is about 21 KB of JSON; this leaves
+# room for 16-GPU nodes and bounds what one node stores and every node-list read loads.
+MAX_TOPOLOGY_BYTES = 128 * 1024
+JOB_ISOLATION = ["separate-user", "shared-user"]
+# "PIX", "CHIPSET_NOT_SUPPORTED", and the agent's fallbacks "LEVEL_<n>" / "STATUS_<n>" for values
+# a newer NVML may return.
+_TOPOLOGY_WORD = re.compile(r"[A-Z0-9_]{1,32}")
+_GPU_INDEX_KEY = re.compile(r"[0-9]{1,2}")  # ASCII digits only: '²'.isdigit() is True
 
 
-def _nullable_int(**kwargs: Any) -> serializers.IntegerField:
-    return serializers.IntegerField(required=False, allow_null=True, **kwargs)
+def _excerpt(value: Any) -> str:
+    """A short, ASCII-safe quote of a bad value: never the whole value, never a character that
+    cannot be rendered (a lone surrogate in an error would break the error response itself)."""
+    text = value if isinstance(value, str) else repr(value)
+    return ascii(text[:32]) + ("..." if len(text) > 32 else "")
 
 
-class RegisterGpuSerializer(serializers.Serializer):
-    index = serializers.IntegerField(min_value=0, max_value=MAX_GPUS - 1)
-    uuid = serializers.CharField(max_length=64, required=False, allow_null=True, allow_blank=True)
-    model = serializers.CharField(max_length=64, required=False, allow_null=True, allow_blank=True)
-    memory_mb = _nullable_int(min_value=0)
-    pci_bus_id = serializers.CharField(max_length=32, required=False, allow_null=True, allow_blank=True)
-    numa_node = _nullable_int(min_value=-1, max_value=1024)
-    cpu_affinity = serializers.CharField(max_length=4096, required=False, allow_null=True, allow_blank=True)
-    nvlink_island = _nullable_int(min_value=0, max_value=MAX_GPUS)
-    nvlink_peers = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=MAX_GPUS - 1),
-                                         required=False, max_length=MAX_GPUS)
-    mig_mode = serializers.ChoiceField(choices=["enabled", "disabled", "unsupported"], required=False)
-    power_limit_w = serializers.FloatField(required=False, allow_null=True, min_value=0)
+def _int(required: bool = True, **kwargs: Any) -> StrictIntegerField:
+    return StrictIntegerField(required=required, **kwargs)
 
 
-class RegisterSerializer(serializers.Serializer):
-    join_token = serializers.CharField(max_length=200)
-    name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$", max_length=200,
-                                  error_messages={"invalid": "Use letters, digits, '.', '_' or '-' (max 200)."})
-    hostname = serializers.CharField(max_length=255, required=False, allow_blank=True)
-    agent_key = serializers.RegexField(r"^[A-Za-z0-9_-]{8,64}$",
-                                       error_messages={"invalid": "8 to 64 letters, digits, '_' or '-'."})
-    agent_version = serializers.CharField(max_length=32, required=False, allow_blank=True)
-    cpu_milli = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+def _nullable_int(**kwargs: Any) -> StrictIntegerField:
+    return StrictIntegerField(required=False, allow_null=True, **kwargs)
+
+
+def _nullable_float(**kwargs: Any) -> StrictFloatField:
+    return StrictFloatField(required=False, allow_null=True, **kwargs)
+
+
+def _text(max_length: int, *, required: bool = False, nullable: bool = True, **kwargs: Any) -> StrictCharField:
+    return StrictCharField(max_length=max_length, required=required, allow_null=nullable, allow_blank=True, **kwargs)
+
+
+def _choice(choices: list[str], **kwargs: Any) -> serializers.ChoiceField:
+    # DRF's default message quotes the whole bad value; a fixed one cannot be made huge.
+    return serializers.ChoiceField(choices=choices, error_messages={
+        "invalid_choice": f"Must be one of: {', '.join(choices)}."}, **kwargs)
+
+
+class StrictRegexField(serializers.RegexField):
+    """A string matching `regex`; numbers are not silently turned into strings."""
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            raise serializers.ValidationError("Must be a string.")
+        return super().to_internal_value(data)
+
+
+def _index_list(**kwargs: Any) -> serializers.ListField:
+    return serializers.ListField(child=_int(min_value=0, max_value=MAX_GPUS - 1), required=False,
+                                 max_length=MAX_GPUS, **kwargs)
+
+
+class TopologyWordField(StrictCharField):
+    """One cell of a topology matrix: "X" (self), a PCIe level or a P2P status name, or null."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_length=32, allow_null=True, **kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        value = super().to_internal_value(data)
+        if not _TOPOLOGY_WORD.fullmatch(value):
+            raise serializers.ValidationError(f"Not a topology name: {_excerpt(value)}.")
+        return value
+
+
+def _matrix() -> serializers.ListField:
+    row = serializers.ListField(child=TopologyWordField(), max_length=MAX_GPUS)
+    return serializers.ListField(child=row, max_length=MAX_GPUS, required=False)
+
+
+# -- registration --------------------------------------------------------------------------------
+class RegisterGpuSerializer(StrictSerializer):
+    index = _int(min_value=0, max_value=MAX_GPUS - 1)
+    uuid = _text(64)
+    model = _text(64)
     memory_mb = _nullable_int(min_value=0, max_value=2**31 - 1)
-    labels = serializers.DictField(child=serializers.CharField(max_length=200, allow_blank=True), required=False)
-    driver_version = serializers.CharField(max_length=64, required=False, allow_null=True, allow_blank=True)
-    cuda_driver_version = serializers.CharField(max_length=16, required=False, allow_null=True, allow_blank=True)
-    backend = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    pci_bus_id = _text(32)
+    numa_node = _nullable_int(min_value=-1, max_value=1024)
+    cpu_affinity = _text(4096)
+    nvlink_island = _nullable_int(min_value=0, max_value=MAX_GPUS)
+    nvlink_peers = _index_list()
+    mig_mode = _choice(["enabled", "disabled", "unsupported"], required=False)
+    power_limit_w = _nullable_float(min_value=0, max_value=100_000)
+
+
+class NvLinkSerializer(StrictSerializer):
+    link = _int(min_value=0, max_value=MAX_NVLINKS - 1)
+    active = StrictBooleanField()
+    remote_pci_bus_id = _text(32)
+    remote_device_type = _choice(["gpu", "switch", "ibmnpu", "unknown"], required=False, allow_null=True)
+    remote_gpu_index = _nullable_int(min_value=0, max_value=MAX_GPUS - 1)
+
+
+class TopologyGpuSerializer(StrictSerializer):
+    index = _int(min_value=0, max_value=MAX_GPUS - 1)
+    numa_node = _nullable_int(min_value=-1, max_value=1024)
+    cpu_affinity = _text(4096)
+    nvlinks = NvLinkSerializer(many=True, max_length=MAX_NVLINKS, required=False)
+    nvlink_peers = _index_list()
+    nvlink_island = _nullable_int(min_value=0, max_value=MAX_GPUS)
+
+
+class TopologySerializer(StrictSerializer):
+    """`agent.protocol.registration_payload`'s topology: three GPU x GPU matrices and per-GPU links."""
+
+    pcie_common_ancestor = _matrix()
+    p2p_nvlink = _matrix()
+    p2p_read = _matrix()
+    gpus = TopologyGpuSerializer(many=True, max_length=MAX_GPUS, required=False)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        for name in ("pcie_common_ancestor", "p2p_nvlink", "p2p_read"):
+            rows = attrs.get(name)
+            if rows is not None and any(len(row) != len(rows) for row in rows):
+                raise serializers.ValidationError({name: ["Must be a square matrix (one row and column per GPU)."]})
+        if len(json.dumps(attrs)) > MAX_TOPOLOGY_BYTES:
+            raise serializers.ValidationError(f"Topology is larger than {MAX_TOPOLOGY_BYTES // 1024} KB.")
+        return attrs
+
+
+class LabelsField(serializers.DictField):
+    """Node labels in the Kubernetes label syntax (broker/inventory/labels.py).
+
+    Checked here rather than by a child field: a DictField reports errors under each bad key, and
+    echoing a bad key (a lone surrogate) would break the error response itself.
+    """
+
+    def to_internal_value(self, data: Any) -> dict[str, str]:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError("Must be an object of label keys to values.")
+        if len(data) > MAX_LABELS:
+            raise serializers.ValidationError(f"At most {MAX_LABELS} labels.")
+        problems = []
+        for key, value in data.items():
+            why = label_key_problem(key)
+            if why is None:
+                why = label_value_problem(value)
+                why = None if why is None else f"value {why}"
+            if why is not None:
+                problems.append(f"Label {_excerpt(key)}: {why}.")
+        if problems:
+            raise serializers.ValidationError(problems[:8])
+        return dict(data)
+
+
+class RegisterSerializer(StrictSerializer):
+    join_token = StrictCharField(max_length=200)
+    name = StrictRegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z", max_length=200,
+                            error_messages={"invalid": "Use letters, digits, '.', '_' or '-' (max 200)."})
+    hostname = _text(255, nullable=False)
+    agent_key = StrictRegexField(r"^[A-Za-z0-9_-]{8,64}\Z",
+                                 error_messages={"invalid": "8 to 64 letters, digits, '_' or '-'."})
+    agent_version = _text(32, nullable=False)
+    cpu_milli = _int(required=False, min_value=0, max_value=2**31 - 1)
+    memory_mb = _nullable_int(min_value=0, max_value=2**31 - 1)
+    labels = LabelsField(required=False)
+    driver_version = _text(64)
+    cuda_driver_version = _text(16)
+    backend = _text(200, nullable=False)
     gpus = RegisterGpuSerializer(many=True, max_length=MAX_GPUS)
-    topology = serializers.DictField(required=False)
+    topology = TopologySerializer(required=False)
+    # Whether the agent runs jobs as a user of their own ("separate-user") or as itself
+    # ("shared-user": jobs could read the agent's secrets). Shown to tenant admins on the node.
+    job_isolation = _choice(JOB_ISOLATION, required=False)
 
     def validate_gpus(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
         indices = [g["index"] for g in gpus]
         if len(set(indices)) != len(indices):
             raise serializers.ValidationError("Each GPU index may appear once.")
+        uuids = [g["uuid"] for g in gpus if g.get("uuid")]
+        if len(set(uuids)) != len(uuids):
+            raise serializers.ValidationError("Each GPU UUID may appear once.")
         return gpus
 
-    def validate_labels(self, labels: dict[str, str]) -> dict[str, str]:
-        if len(labels) > 64:
-            raise serializers.ValidationError("At most 64 labels.")
-        return labels
 
-
-class ReadingSerializer(serializers.Serializer):
-    index = serializers.IntegerField(min_value=0, max_value=MAX_GPUS - 1)
-    uuid = serializers.CharField(max_length=64, required=False, allow_null=True, allow_blank=True)
+# -- heartbeats ----------------------------------------------------------------------------------
+class ReadingSerializer(StrictSerializer):
+    index = _int(min_value=0, max_value=MAX_GPUS - 1)
+    uuid = _text(64)
     utilization_pct = _nullable_int(min_value=0, max_value=100)
     memory_utilization_pct = _nullable_int(min_value=0, max_value=100)
-    memory_used_mb = _nullable_int(min_value=0)
-    memory_total_mb = _nullable_int(min_value=0)
+    memory_used_mb = _nullable_int(min_value=0, max_value=2**31 - 1)
+    memory_total_mb = _nullable_int(min_value=0, max_value=2**31 - 1)
     temperature_c = _nullable_int(min_value=-100, max_value=300)
-    power_w = serializers.FloatField(required=False, allow_null=True, min_value=0)
-    power_limit_w = serializers.FloatField(required=False, allow_null=True, min_value=0)
-    ecc_corrected = _nullable_int(min_value=0)
-    ecc_uncorrected = _nullable_int(min_value=0)
-    retired_pages = _nullable_int(min_value=0)
-    remapped_rows_pending = serializers.BooleanField(required=False, allow_null=True)
-    remapped_rows_failed = serializers.BooleanField(required=False, allow_null=True)
-    xid_errors = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, max_length=64)
-    mig_mode = serializers.ChoiceField(choices=["enabled", "disabled", "unsupported"], required=False)
-    lost = serializers.BooleanField(required=False)
-    health = serializers.ChoiceField(choices=["HEALTHY", "DEGRADED", "FAILED"])
-    health_reasons = serializers.ListField(child=serializers.CharField(max_length=500), required=False,
-                                           max_length=32)
+    power_w = _nullable_float(min_value=0, max_value=100_000)
+    power_limit_w = _nullable_float(min_value=0, max_value=100_000)
+    ecc_corrected = _nullable_int(min_value=0, max_value=2**31 - 1)
+    ecc_uncorrected = _nullable_int(min_value=0, max_value=2**31 - 1)
+    retired_pages = _nullable_int(min_value=0, max_value=2**31 - 1)
+    remapped_rows_pending = StrictBooleanField(required=False, allow_null=True)
+    remapped_rows_failed = StrictBooleanField(required=False, allow_null=True)
+    xid_errors = serializers.ListField(child=_int(min_value=0, max_value=2**31 - 1), required=False, max_length=64)
+    mig_mode = _choice(["enabled", "disabled", "unsupported"], required=False)
+    lost = StrictBooleanField(required=False)
+    health = _choice(["HEALTHY", "DEGRADED", "FAILED"])
+    health_reasons = serializers.ListField(child=StrictCharField(max_length=500), required=False, max_length=32)
 
 
-class ProcessSerializer(serializers.Serializer):
-    assignment_id = serializers.CharField(max_length=32)
-    job_id = serializers.CharField(max_length=32, required=False)
-    epoch = serializers.IntegerField(min_value=0, required=False)
-    pid = _nullable_int(min_value=0)
-    gpu_indices = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False,
-                                        max_length=MAX_GPUS)
-    state = serializers.CharField(max_length=16, required=False)
+class ProcessSerializer(StrictSerializer):
+    assignment_id = StrictCharField(max_length=32)
+    job_id = _text(32, nullable=False)
+    epoch = _int(required=False, min_value=0, max_value=2**31 - 1)
+    pid = _nullable_int(min_value=0, max_value=2**31 - 1)
+    gpu_indices = _index_list()
+    state = _choice(["running", "stopping"], required=False)
 
 
-class HeartbeatSerializer(serializers.Serializer):
-    agent_version = serializers.CharField(max_length=32, required=False, allow_blank=True)
-    max_epoch_seen = serializers.IntegerField(min_value=0, required=False)
-    missed_heartbeats = serializers.IntegerField(min_value=0, required=False)
-    last_error = serializers.CharField(max_length=2000, required=False, allow_null=True, allow_blank=True)
+class HeartbeatSerializer(StrictSerializer):
+    agent_version = _text(32, nullable=False)
+    sent_at = _nullable_float(min_value=0)
+    sampled_at = _nullable_float(min_value=0)
+    max_epoch_seen = _int(required=False, min_value=0, max_value=2**31 - 1)
+    missed_heartbeats = _int(required=False, min_value=0, max_value=2**31 - 1)
+    last_error = _text(2000)
     telemetry = ReadingSerializer(many=True, max_length=MAX_GPUS, required=False)
     processes = ProcessSerializer(many=True, max_length=256, required=False)
 
 
+# -- status reports ------------------------------------------------------------------------------
 STATUS_STATES = ["running", "checkpoint_requested", "exited", "failed", "stopped", "refused"]
 
 
-class StatusSerializer(serializers.Serializer):
-    epoch = serializers.IntegerField(min_value=0)
-    state = serializers.ChoiceField(choices=STATUS_STATES)
-    reason = serializers.CharField(max_length=24, required=False, allow_blank=True)
-    exit_code = _nullable_int(min_value=-255, max_value=255)
-    message = serializers.CharField(max_length=2000, required=False, allow_blank=True)
-    pid = _nullable_int(min_value=0)
-    job_id = serializers.CharField(max_length=32, required=False)
-    # The end of the job's output (the agent sends about 4 KB), shown to the job's owner in its events.
-    output_tail = serializers.CharField(max_length=16384, required=False, allow_blank=True, trim_whitespace=False)
-    # GPU index -> health reasons, for a job that failed on a GPU the agent now sees as FAILED.
-    failed_gpus = serializers.DictField(child=serializers.ListField(child=serializers.CharField(max_length=500),
-                                                                    max_length=32), required=False)
+class FailedGpusField(serializers.DictField):
+    """GPU index (as a string of ASCII digits) -> health reasons."""
 
-    def validate_failed_gpus(self, value: dict[str, list[str]]) -> dict[str, list[str]]:
-        if len(value) > MAX_GPUS or not all(k.isdigit() and int(k) < MAX_GPUS for k in value):
-            raise serializers.ValidationError("Keys must be GPU indices.")
-        return value
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(child=serializers.ListField(child=StrictCharField(max_length=500), max_length=32),
+                         **kwargs)
+
+    def to_internal_value(self, data: Any) -> dict[str, list[str]]:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError("Must be an object of GPU index to health reasons.")
+        if len(data) > MAX_GPUS:
+            raise serializers.ValidationError(f"At most {MAX_GPUS} GPUs.")
+        for key in data:
+            if not isinstance(key, str) or not _GPU_INDEX_KEY.fullmatch(key) or int(key) >= MAX_GPUS:
+                raise serializers.ValidationError(f"Keys must be GPU indices (0 to {MAX_GPUS - 1}), "
+                                                  f"not {_excerpt(key)}.")
+        return super().to_internal_value(data)
+
+
+class StatusSerializer(StrictSerializer):
+    epoch = _int(min_value=0, max_value=2**31 - 1)
+    state = _choice(STATUS_STATES)
+    reason = StrictCharField(max_length=24, required=False, allow_blank=True)
+    exit_code = _nullable_int(min_value=-255, max_value=255)
+    message = StrictCharField(max_length=2000, required=False, allow_blank=True)
+    pid = _nullable_int(min_value=0, max_value=2**31 - 1)
+    job_id = StrictCharField(max_length=32, required=False, allow_blank=True)
+    at = _nullable_float(min_value=0)
+    # The end of the job's output (the agent sends about 4 KB), shown to the job's owner in its events.
+    output_tail = StrictCharField(max_length=16384, required=False, allow_blank=True, trim_whitespace=False)
+    # GPU index -> health reasons, for a job that failed on a GPU the agent now sees as FAILED.
+    failed_gpus = FailedGpusField(required=False)

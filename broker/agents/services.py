@@ -24,7 +24,7 @@ from broker.inventory.services import gpu_model_resolve
 from broker.jobs.models import Allocation, Job
 from broker.jobs.services import (IllegalTransition, StaleState, event_append, job_requeue, job_transition,
                                   jobs_requeue_on_node)
-from broker.jobs.states import JobState
+from broker.jobs.states import TERMINAL_STATES, JobState
 from broker.tenancy import tokens
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,10 @@ class NameTaken(AgentError):
     status = 409
 
 
+class GpuTaken(AgentError):
+    status = 409
+
+
 class ReportRejected(AgentError):
     status = 409
 
@@ -72,10 +76,17 @@ class Registration:
 
 
 def _join_target(join_token: str) -> tuple[Pool, CloudInstance | None]:
-    """The pool a join token admits to: a pool's join token, or a cloud instance's one-time token."""
+    """The pool a join token admits to: a pool's join token, or a cloud instance's one-time token.
+
+    An instance token admits only while its instance is live and the token unused; it is consumed
+    (compare-and-set) in the registration's transaction by `instance_join_token_consume`.
+    """
     digest = tokens.digest(join_token)
     if join_token.startswith("wzi_"):
-        instance = CloudInstance.objects.select_related("pool").filter(join_token_hash=digest).first()
+        from broker.provisioning.services import INSTANCE_LIVE_STATES  # the provisioning app owns instances
+
+        instance = (CloudInstance.objects.select_related("pool")
+                    .filter(join_token_hash=digest, state__in=INSTANCE_LIVE_STATES).first())
         if instance is not None and hmac.compare_digest(instance.join_token_hash, digest) and instance.pool.enabled:
             return instance.pool, instance
         raise JoinRefused("Invalid join token.")
@@ -92,18 +103,30 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
 
     The same agent (same `agent_key`) registering again gets the same node and a fresh token (its
     first answer may have been lost). Another agent may take over a node name only while that node
-    has no agent yet (pre-created by an admin or the demo seed) or is LOST/OFFLINE.
+    has no agent yet (pre-created by an admin or the demo seed) or is LOST/OFFLINE, and never the
+    node of a cloud instance the broker gave up on. A cloud instance's one-time token works once.
     """
+    from broker.provisioning.services import instance_join_token_consume
+
     pool, instance = _join_target(data["join_token"])
     name = instance.node_name if instance is not None and instance.node_name else data["name"]
     now = timezone.now()
     issued = tokens.issue("wzn")
     with transaction.atomic():
+        # First, so two registrations with one instance token cannot both win; a refusal further
+        # down rolls the consumption back with everything else.
+        if instance is not None and not instance_join_token_consume(instance=instance,
+                                                                    join_token=data["join_token"]):
+            raise JoinRefused("Invalid join token.")
         node = Node.objects.select_for_update().filter(pool=pool, name=name).first()
         created = node is None
+        _refuse_duplicate_gpus(pool=pool, name=name, gpus=data["gpus"])
         if node is None:
             node = Node(tenant=pool.tenant, pool=pool, name=name, state=NodeState.ONLINE)
         else:
+            if node_given_up(node) is not None:
+                raise NameTaken(f"Node {name} in pool {pool.name} belongs to a cloud instance the broker gave up "
+                                "on; it cannot be registered again.", field="name")
             agent = NodeAgent.objects.filter(node=node).first()
             same_agent = agent is not None and hmac.compare_digest(agent.agent_key, data["agent_key"])
             if agent is not None and not same_agent and node.state in (NodeState.ONLINE, NodeState.DRAINING):
@@ -118,8 +141,9 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
         node.hostname = data.get("hostname") or ""
         node.cpu_milli = data.get("cpu_milli") or 0
         node.memory_mb = data.get("memory_mb") or 0
-        node.labels = {**(node.labels or {}), **data.get("labels", {})}
-        node.labels.pop("simulated", None)  # a live agent now speaks for it
+        # Replaced, not merged: the agent's labels are the node's labels, so a bad or stale key
+        # (an old "simulated") goes away at the next registration.
+        node.labels = dict(data.get("labels") or {})
         node.token_prefix, node.token_hash = issued.prefix, issued.digest
         node.agent_version = data.get("agent_version") or ""
         node.topology = {**(data.get("topology") or {}),
@@ -135,6 +159,7 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
             "agent_key": data["agent_key"], "backend": data.get("backend") or "",
             "driver_version": data.get("driver_version") or "",
             "cuda_driver_version": data.get("cuda_driver_version") or "",
+            "job_isolation": data.get("job_isolation") or "",
             "registered_at": now, "missed_heartbeats": 0, "last_error": "",
         })
     node.refresh_from_db()
@@ -145,17 +170,30 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
     return Registration(node=node, token=issued.plaintext, created=created)
 
 
+def _refuse_duplicate_gpus(*, pool: Pool, name: str, gpus: list[dict[str, Any]]) -> None:
+    """A GPU UUID names one physical GPU: one already registered to another node (of any tenant)
+    was copied, or the machine was moved without its old node being removed. The answer says
+    neither that node's name nor its tenant."""
+    uuids = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
+    taken = (Gpu.objects.filter(uuid__in=list(uuids)).exclude(node__pool=pool, node__name=name)
+             .values_list("uuid", flat=True).first())
+    if taken is not None:
+        raise GpuTaken(f"GPU {uuids[taken]} ({taken}) is already registered to another node; remove that node "
+                       "before registering the GPU here.", field="gpus")
+
+
 def _upsert_gpus(node: Node, gpus: list[dict[str, Any]], now: datetime) -> None:
     existing = {g.index: g for g in Gpu.objects.filter(node=node)}
     for info in gpus:
         model_name = info.get("model") or ""
+        numa_node = info.get("numa_node")  # optional: null when NVML and sysfs could not tell
         values = {
             "uuid": info.get("uuid") or "",
             "model": gpu_model_resolve(model_name) if model_name else None,
             "model_name": model_name[:64],
             "memory_mb": info.get("memory_mb") or 0,
             "nvlink_island": info.get("nvlink_island"),
-            "numa_node": info["numa_node"] if (info.get("numa_node") or 0) >= 0 else None,
+            "numa_node": numa_node if numa_node is not None and numa_node >= 0 else None,  # -1: sysfs "none"
             "pci_bus_id": info.get("pci_bus_id") or "",
             "mig_mode": info.get("mig_mode") == "enabled",
             "last_seen_at": now,
@@ -177,13 +215,53 @@ def _hand_over_cloud_instance(node: Node) -> None:
     instance_node_registered(node=node)
 
 
+# -- nodes the broker gave up on -----------------------------------------------------------------
+def node_given_up(node: Node) -> str | None:
+    """Why the broker gave up on `node` for good, or None.
+
+    Only a cloud instance's node is ever given up: once its instance is being terminated, gone or
+    failed, or the node was LOST/OFFLINE (its jobs were already restarted elsewhere), nothing that
+    presents its old credentials may bring it back and be handed jobs (issue 8: a re-registered
+    instance took over a healthy instance's job). On-prem nodes come back from LOST by themselves.
+    """
+    from broker.provisioning.services import INSTANCE_LIVE_STATES
+
+    instance = CloudInstance.objects.filter(node=node).only("state").first()
+    if instance is None:
+        return None
+    if instance.state not in INSTANCE_LIVE_STATES:
+        return f"its cloud instance is {instance.state}"
+    state = Node.objects.filter(pk=node.pk).values_list("state", flat=True).first()
+    if state in (NodeState.LOST, NodeState.OFFLINE):
+        return f"the node is {state}"
+    return None
+
+
+def node_give_up(*, node: Node, reason: str) -> bool:
+    """Retire a cloud instance's node for good: revoke its node token (every call with it answers 401
+    from now on), take it out of scheduling (OFFLINE unless already LOST) and requeue what it ran.
+    Safe to call twice; True when this call revoked the token."""
+    with transaction.atomic():
+        revoked = Node.objects.filter(pk=node.pk).exclude(token_hash="").update(token_prefix="", token_hash="") == 1
+        moved = Node.objects.filter(pk=node.pk, state__in=[NodeState.ONLINE, NodeState.DRAINING]).update(
+            state=NodeState.OFFLINE, epoch=F("epoch") + 1) == 1
+        if moved:
+            jobs_requeue_on_node(node_id=node.pk, reason_code="NODE_RETIRED",
+                                 message=f"Node {node.name} was retired ({reason}); the job restarts elsewhere.")
+    if revoked:
+        log.warning("node %s retired for good: %s; its node token is revoked", node.name, reason)
+    return revoked
+
+
 # -- heartbeats ----------------------------------------------------------------------------------
 def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
-    """Store the node's telemetry per GPU; bring a LOST node back ONLINE. Returns the answer body."""
+    """Store the node's telemetry per GPU; bring a LOST on-prem node back ONLINE. Returns the answer body."""
     now = timezone.now()
     agent_version = data.get("agent_version") or node.agent_version
     with transaction.atomic():
-        came_back = Node.objects.filter(pk=node.pk, state=NodeState.LOST).update(
+        # A cloud instance's node never comes back from LOST (node_given_up; the authentication
+        # refuses its token already, this is the second lock on the same door).
+        came_back = Node.objects.filter(pk=node.pk, state=NodeState.LOST, instance__isnull=True).update(
             state=NodeState.ONLINE, last_heartbeat_at=now, agent_version=agent_version) == 1
         if not came_back:
             Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now, agent_version=agent_version)
@@ -215,14 +293,20 @@ def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- status reports ------------------------------------------------------------------------------
-def agent_report_status(*, node: Node, allocation_id: str, data: dict[str, Any]) -> AssignmentReport:
-    allocation = (Allocation.objects.select_related("job").filter(pk=allocation_id, node=node).first()
-                  if allocation_id.isdigit() else None)
+def agent_report_status(*, node: Node, allocation_id: int, data: dict[str, Any]) -> AssignmentReport | None:
+    """Record a report and move the job; None when the job had already finished.
+
+    A finished job's history is closed: a late or replayed report (`running` after SUCCEEDED)
+    records nothing the user sees, and the 200 answer makes the agent drop it from its outbox.
+    """
+    allocation = Allocation.objects.select_related("job").filter(pk=allocation_id, node=node).first()
     if allocation is None:
         raise AssignmentUnknown(f"No assignment {allocation_id} on this node.")
     if data["epoch"] != allocation.epoch:
         raise ReportRejected(f"Assignment {allocation_id} is at epoch {allocation.epoch}, not {data['epoch']}.",
                              field="epoch")
+    if Job.objects.filter(pk=allocation.job_id, state__in=TERMINAL_STATES).exists():
+        return None
     state, reason = data["state"], data.get("reason") or ""
     report, _ = AssignmentReport.objects.update_or_create(allocation=allocation, defaults={
         "state": state, "reason": reason, "exit_code": data.get("exit_code"),
@@ -292,24 +376,46 @@ def _advance(job: Job, steps: list[str], *, reason_code: str, message: str) -> N
 
 # -- the lost-node sweep -------------------------------------------------------------------------
 def nodes_mark_lost(*, now: datetime | None = None) -> list[Node]:
-    """Mark LOST every agent node silent for longer than `lost_after_seconds()`, and requeue its jobs.
+    """Mark LOST every agent node silent for longer than `lost_after_seconds()` while the broker was
+    up, and requeue its jobs; their old copies are fenced (broker.agents.fencing).
 
+    The broker's own outages do not count against nodes (broker.scheduler.outage): after the worker
+    or the web server was down, every node gets the full limit again from the broker's return.
     Safe to run twice at once: the compare-and-set on (state, last_heartbeat_at) lets one caller win
     per node. Nodes that never heartbeated (simulated inventory without an agent) are left alone.
     """
+    from broker.agents.fencing import fence_wait_seconds
+    from broker.scheduler import outage
+
     now = now or timezone.now()
     limit = lost_after_seconds()
     cutoff = now - timedelta(seconds=limit)
+    resumed_at = outage.sweep_resumption(now=now, limit_s=limit)
+    if outage.in_grace(resumed_at=resumed_at, now=now, limit_s=limit):
+        return []
+    silent_nodes = list(Node.objects.filter(state__in=[NodeState.ONLINE, NodeState.DRAINING],
+                                            last_heartbeat_at__lt=cutoff))
+    if not silent_nodes:
+        return []
+    anyone_heard = Node.objects.filter(state__in=[NodeState.ONLINE, NodeState.DRAINING],
+                                       last_heartbeat_at__gte=cutoff).exists()
+    if not anyone_heard and not outage.agents_way_in_answers():
+        # Every agent silent at once and the web server they talk to not answering: the broker is
+        # down in front of them. Their grace starts when it answers again.
+        outage.broker_unreachable_record(now=now)
+        return []
     lost = []
-    for node in Node.objects.filter(state__in=[NodeState.ONLINE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff):
+    for node in silent_nodes:
         marked = Node.objects.filter(pk=node.pk, state=node.state, last_heartbeat_at__lt=cutoff).update(
             state=NodeState.LOST, epoch=F("epoch") + 1)
         if marked != 1:
             continue
-        silent = int((now - node.last_heartbeat_at).total_seconds())
-        requeued = jobs_requeue_on_node(node_id=node.pk, reason_code="NODE_LOST",
-                                    message=f"Node {node.name} sent no heartbeat for {silent} s (limit {limit} s); "
-                                            "the job restarts elsewhere from its last committed checkpoint.")
+        silent = int((now - max(node.last_heartbeat_at, resumed_at or node.last_heartbeat_at)).total_seconds())
+        requeued = jobs_requeue_on_node(
+            node_id=node.pk, reason_code="NODE_LOST", stop_unconfirmed=True,
+            message=f"Node {node.name} sent no heartbeat for {silent} s (limit {limit} s); the job restarts "
+                    "elsewhere from its last committed checkpoint, once its copy there is confirmed stopped "
+                    f"(at most {fence_wait_seconds()} s).")
         log.warning("node %s marked LOST after %d s of silence; %d job(s) requeued", node.name, silent, len(requeued))
         node.refresh_from_db()
         lost.append(node)

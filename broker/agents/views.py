@@ -15,6 +15,8 @@ from broker.agents import serializers as s
 from broker.agents.authentication import IsNodeAgent, NodeTokenAuthentication
 from broker.agents.selectors import node_assignments
 from broker.agents.services import AgentError, agent_heartbeat, agent_register, agent_report_status, heartbeat_seconds
+from broker.agents.throttles import (AgentAssignmentsThrottle, AgentHeartbeatThrottle, AgentRegisterThrottle,
+                                     AgentStatusThrottle)
 
 
 def _error(err: AgentError) -> Response:
@@ -25,14 +27,13 @@ def _error(err: AgentError) -> Response:
 class _NodeView(APIView):
     authentication_classes = [NodeTokenAuthentication]
     permission_classes = [IsNodeAgent]
-    throttle_classes: list = []
 
 
 @extend_schema(exclude=True)
 class RegisterView(APIView):
     authentication_classes: list = []
     permission_classes = [AllowAny]
-    throttle_classes: list = []
+    throttle_classes = [AgentRegisterThrottle]  # checked before the body is parsed
 
     def post(self, request: Request) -> Response:
         serializer = s.RegisterSerializer(data=request.data)
@@ -48,6 +49,8 @@ class RegisterView(APIView):
 
 @extend_schema(exclude=True)
 class HeartbeatView(_NodeView):
+    throttle_classes = [AgentHeartbeatThrottle]
+
     def post(self, request: Request) -> Response:
         serializer = s.HeartbeatSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -56,13 +59,17 @@ class HeartbeatView(_NodeView):
 
 @extend_schema(exclude=True)
 class AssignmentsView(_NodeView):
+    throttle_classes = [AgentAssignmentsThrottle]
+
     def get(self, request: Request) -> Response:
         return Response(node_assignments(node=request.auth))
 
 
 @extend_schema(exclude=True)
 class StatusView(_NodeView):
-    def post(self, request: Request, assignment_id: str) -> Response:
+    throttle_classes = [AgentStatusThrottle]
+
+    def post(self, request: Request, assignment_id: int) -> Response:
         serializer = s.StatusSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
@@ -70,4 +77,6 @@ class StatusView(_NodeView):
                                          data=serializer.validated_data)
         except AgentError as err:
             return _error(err)
-        return Response({"ok": True, "state": report.state})
+        if report is None:  # the job had finished: nothing recorded; 200 so the agent drops the report
+            return Response({"ok": True, "state": serializer.validated_data["state"], "recorded": False})
+        return Response({"ok": True, "state": report.state, "recorded": True})

@@ -10,6 +10,7 @@ from rest_framework.views import APIView
 
 from broker.api.base import TenantReadOnlyViewSet
 from broker.api.schema import WhaleZenAutoSchema
+from broker.inventory.labels import valid_labels
 from broker.inventory.models import Gpu, GpuModel, Node, NodeState, Pool
 from broker.jobs.selectors import tenant_gpu_usage
 from broker.tenancy.models import Quota
@@ -65,11 +66,24 @@ class GpuSerializer(serializers.ModelSerializer):
 class NodeSerializer(serializers.ModelSerializer):
     pool = serializers.CharField(source="pool.name")
     gpus = GpuSerializer(many=True, read_only=True)
+    labels = serializers.SerializerMethodField()
+    job_isolation = serializers.SerializerMethodField(
+        help_text='How its agent runs jobs: "separate-user", or "shared-user" (jobs could read the agent\'s '
+                  'secrets); null when the agent did not say.')
 
     class Meta:
         model = Node
         fields = ["id", "name", "pool", "hostname", "state", "cpu_milli", "memory_mb", "labels",
-                  "last_heartbeat_at", "agent_version", "gpus"]
+                  "last_heartbeat_at", "agent_version", "job_isolation", "gpus"]
+
+    def get_labels(self, node: Node) -> dict[str, str]:
+        # Only valid pairs: rows stored before agent labels were validated may hold keys that
+        # cannot even be rendered (a lone surrogate answered 500 for the whole node list).
+        return valid_labels(node.labels)
+
+    def get_job_isolation(self, node: Node) -> str | None:
+        agent = getattr(node, "agent", None)  # a reverse one-to-one: absent for nodes without an agent
+        return (agent.job_isolation or None) if agent is not None else None
 
 
 def _own_pools(request):
@@ -88,7 +102,7 @@ class NodeFilter(django_filters.FilterSet):
 
 
 class NodeViewSet(TenantReadOnlyViewSet):
-    queryset = Node.objects.select_related("pool").prefetch_related("gpus__slices")
+    queryset = Node.objects.select_related("pool", "agent").prefetch_related("gpus__slices")
     serializer_class = NodeSerializer
     lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
     filterset_class = NodeFilter

@@ -45,6 +45,22 @@ def instance_join_token(instance: CloudInstance) -> str:
     return f"wzi_{instance.request_key[-8:].rjust(8, '0')}_{mac.hexdigest()}"
 
 
+# An instance in any other state is one the broker gave up on (or never had): its token admits
+# nothing and its node never comes back (broker.agents.services.node_given_up).
+INSTANCE_LIVE_STATES = (InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING)
+
+
+def instance_join_token_consume(*, instance: CloudInstance, join_token: str) -> bool:
+    """Use up an instance's one-time join token: True for exactly one caller, ever.
+
+    Compare-and-set on the stored hash, inside the caller's registration transaction: of two
+    registrations presenting the token at once, one changes the row and the other finds it changed.
+    """
+    digest = tokens.digest(join_token)
+    return CloudInstance.objects.filter(pk=instance.pk, join_token_hash=digest,
+                                        state__in=INSTANCE_LIVE_STATES).update(join_token_hash="") == 1
+
+
 def launch_request(*, launch: sm.Launch, ref: OfferRef, plan: sm.Plan, jobs: dict[str, Job]) -> LaunchResult:
     """Record `launch.count` instances for a plan's launch and move its jobs to PROVISIONING (one transaction).
 
@@ -181,6 +197,11 @@ def instance_terminate(*, instance: CloudInstance, reason: str) -> CloudInstance
     if instance.state in (InstanceState.TERMINATED, InstanceState.FAILED) and not instance.provider_id:
         return instance
     CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATING, last_error=reason)
+    if instance.node_id:
+        from broker.agents.services import node_give_up  # the agents app owns node tokens
+
+        # Given up from now on, not only once the provider confirms: no job may be placed on it meanwhile.
+        node_give_up(node=instance.node, reason=f"instance {instance.node_name} is being terminated: {reason}")
     if not instance.provider_id:
         return instance
     provider = provider_for_pool(instance.pool)

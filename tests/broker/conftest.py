@@ -58,6 +58,16 @@ def make_world(slug: str, models) -> TenantWorld:
     )
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    """Each test starts with an empty cache: throttle histories (agent registration is limited per
+    client address, and every test client is 127.0.0.1) and cached offers must not leak between tests."""
+    from django.core.cache import cache
+
+    cache.clear()
+    yield
+
+
 @pytest.fixture
 def gpu_models(db):
     return seed_gpu_models()
