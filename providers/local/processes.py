@@ -30,14 +30,29 @@ def is_alive(pid: int, start_time: int | None) -> bool:
     return start_time is None or current == start_time
 
 
-def spawn(command: Sequence[str], *, log_path: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(command: Sequence[str], *, log_path: Path, env: Mapping[str, str] | None = None,
+          stdin_data: bytes | None = None) -> subprocess.Popen[bytes]:
+    """Start `command` in its own session. `stdin_data` (the agent's join token) is all its stdin
+    will ever read: written to a pipe that is closed at once (it fits the pipe's buffer)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         # Own session: terminate() can signal the agent and everything it started (jobs).
-        return subprocess.Popen(
-            list(command), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env=dict(env) if env is not None else None,
+        process = subprocess.Popen(
+            list(command), stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True, env=dict(env) if env is not None else None,
         )
+    if stdin_data is not None:
+        assert process.stdin is not None
+        try:
+            process.stdin.write(stdin_data)
+        except BrokenPipeError:
+            pass  # the command exited at once; describe() will say so
+        finally:
+            try:
+                process.stdin.close()
+            except BrokenPipeError:
+                pass
+    return process
 
 
 def stop(pid: int, start_time: int | None, *, timeout_s: float, children: dict[int, subprocess.Popen[bytes]]) -> bool:

@@ -73,20 +73,20 @@ class CloudSimulation:
 
 CommandFactory = Callable[[ProvisionRequest, str, LocalShape], Sequence[str]]
 
-# The agent reads its join token from this variable when --join-token is not given; unlike an
-# argument, `ps` cannot show it to other users of the machine.
+# The agent's compatibility variable for the join token. The local provider no longer uses it: a
+# process's initial environment stays readable in /proc/<pid>/environ for its whole life.
 JOIN_TOKEN_ENV = "WHALEZEN_JOIN_TOKEN"
 
 
 def agent_command(python: str, state_root: str | os.PathLike[str] | None = None) -> CommandFactory:
-    """`<python> -m agent --server URL --fake-gpus SPEC --name NAME [--state-dir DIR]`; the join
-    token travels in the environment (WHALEZEN_JOIN_TOKEN), which the agent reads like
-    `--join-token`. Each agent gets its own state dir: agents started as root would otherwise
+    """`<python> -m agent --server URL --fake-gpus SPEC --name NAME --join-token - [--state-dir DIR]`;
+    the join token arrives on the agent's stdin (`--join-token -`): neither its command line nor its
+    environment holds it. Each agent gets its own state dir: agents started as root would otherwise
     all share /var/lib/whalezen-agent and its node token."""
 
     def build(request: ProvisionRequest, name: str, shape: LocalShape) -> list[str]:
         argv = [python, "-m", "agent", "--server", request.agent_server_url, "--fake-gpus", shape.fake_gpus,
-                "--name", name]
+                "--name", name, "--join-token", "-"]
         if state_root is not None:
             argv += ["--state-dir", str(Path(state_root) / name)]
         return argv
@@ -240,12 +240,12 @@ class LocalProvider(Provider):
                                     provider="local", code="SimulatedInsufficientCapacity")
             instance_id = f"local-{uuid.uuid4().hex[:12]}"
             name = request.node_name or instance_id
-            env = dict(self.env if self.env is not None else os.environ)
-            env[JOIN_TOKEN_ENV] = request.agent_join_token
+            env = {k: v for k, v in (self.env if self.env is not None else os.environ).items() if k != JOIN_TOKEN_ENV}
             process = processes.spawn(
                 self.command_factory(request, name, shape),
                 log_path=self.state_dir / "logs" / f"{instance_id}.log",
                 env=env,
+                stdin_data=f"{request.agent_join_token}\n".encode(),
             )
             self._children[process.pid] = process
             now = self._clock()

@@ -17,9 +17,11 @@ from providers.local.processes import is_alive
 from providers.reconcile import KnownInstance, reconcile
 from tests.providers.conftest import BROKER_ID, make_request
 
-# Stands in for `python -m agent ...`: records its argv, then idles until killed.
+# Stands in for `python -m agent ...`: records its argv, its stdin's first line and the token
+# variable of its environment, then idles until killed.
 STAND_IN = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps("
-            "{'argv': sys.argv[2:], 'token': os.environ.get('WHALEZEN_JOIN_TOKEN')})); time.sleep(300)")
+            "{'argv': sys.argv[2:], 'stdin': sys.stdin.readline(), 'env_token': os.environ.get('WHALEZEN_JOIN_TOKEN')}"
+            ")); time.sleep(300)")
 
 
 def stand_in(argv_dir: Path):
@@ -64,15 +66,19 @@ def wait_for(path: Path) -> str:
     return path.read_text()
 
 
-def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path) -> None:
+def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WHALEZEN_JOIN_TOKEN", "a-token-the-broker-process-happens-to-have")
     provider = make_local()
     request = local_request()
     info = provider.provision(request)
     assert info.state is InstanceState.RUNNING and info.request_key == request.request_key
     started = json.loads(wait_for(tmp_path / f"{request.node_name}.json"))
     assert started["argv"] == ["-m", "agent", "--server", "http://broker.test:8000", "--fake-gpus", "8xA100-80GB-SXM",
-                               "--name", request.node_name, "--state-dir", f"/agent-state/{request.node_name}"]
-    assert started["token"] == "join-secret-123"  # by environment: `ps` must not show it
+                               "--name", request.node_name, "--join-token", "-",
+                               "--state-dir", f"/agent-state/{request.node_name}"]
+    # On stdin: neither `ps` (argv) nor /proc/<pid>/environ, which a job could read, holds it.
+    assert started["stdin"] == "join-secret-123\n"
+    assert started["env_token"] is None
     assert is_alive(*pid_of(provider, info.ref.instance_id))
 
 
