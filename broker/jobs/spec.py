@@ -7,11 +7,14 @@ two spellings users already know: SkyPilot's `accelerators: "A100-80GB:4"` and K
 from __future__ import annotations
 
 import math
+import os
 import re
+import urllib.parse
 from dataclasses import asdict, dataclass
 from decimal import Decimal
 from typing import Any
 
+from django.conf import settings
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -23,6 +26,7 @@ from broker.api.fields import (
     StrictIntegerField,
     StrictSerializer,
 )
+from broker.api.excerpts import excerpt, quoted
 
 PRIORITY_NAMES: dict[str, int] = {"low": 10, "normal": 50, "high": 100, "critical": 1000}
 MAX_PRIORITY = 1000
@@ -160,7 +164,7 @@ class KubernetesLimitsField(serializers.Field):
             raise serializers.ValidationError("Must be an object such as {\"nvidia.com/gpu\": 2}.")
         unknown = sorted(set(data) - {K8S_GPU_KEY, "cpu", "memory"})
         if unknown:
-            raise serializers.ValidationError(f"Unknown resource(s): {', '.join(unknown)}.")
+            raise serializers.ValidationError(f"Unknown resource(s): {', '.join(quoted(k) for k in unknown[:5])}.")
         out: dict[str, int] = {}
         if K8S_GPU_KEY in data:
             gpus = data[K8S_GPU_KEY]
@@ -245,21 +249,62 @@ class PlacementSerializer(StrictSerializer):
         return attrs
 
 
+def _resolved(path: str) -> str:
+    """`path` as the filesystem would resolve it: `..` removed, symlinks of its existing part followed.
+
+    realpath() is applied to the nearest existing parent (the checkpoint directory itself usually does
+    not exist yet), so a symlink inside a root that points elsewhere is seen for what it is.
+    """
+    path = os.path.normpath(path)
+    head, rest = path, []
+    while not os.path.lexists(head) and head != os.path.dirname(head):
+        head, name = os.path.split(head)
+        rest.append(name)
+    return os.path.join(os.path.realpath(head), *reversed(rest))
+
+
+def _within(path: str, root: str) -> bool:
+    return path.startswith(root.rstrip("/") + "/")
+
+
+def checkpoint_roots() -> list[str]:
+    """The operator's checkpoint roots (WHALEZEN_CHECKPOINT_ROOTS), resolved like the paths they hold."""
+    return [_resolved(root) for root in settings.WHALEZEN_CHECKPOINT_ROOTS if root.startswith("/")]
+
+
 class CheckpointSerializer(StrictSerializer):
-    uri = StrictCharField(max_length=1024, help_text="Absolute path, file:// or s3://bucket/prefix.")
+    uri = StrictCharField(max_length=1024, help_text="s3://bucket/prefix, or an absolute path or file:// URI "
+                                                     "under one of the broker's checkpoint roots.")
     interval_minutes = StrictIntegerField(required=False, min_value=1, max_value=24 * 60)
 
     def validate_uri(self, value: str) -> str:
+        if "\x00" in value or ".." in value.split("/"):
+            raise serializers.ValidationError("Must not contain '..' segments or NUL bytes.")
         if value.startswith("s3://"):
             if not re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", value):
                 raise serializers.ValidationError("Not a valid s3://bucket/prefix URI.")
-        elif value.startswith("file://"):
-            if not value[len("file://"):].startswith("/"):
+            return value
+        if value.startswith("file://"):
+            path = value[len("file://"):]
+            if not path.startswith("/"):
                 raise serializers.ValidationError("file:// URIs must hold an absolute path.")
-        elif not value.startswith("/"):
+            # A reader that decodes %XX opens another path than one that does not: both must be safe.
+            paths = {path, urllib.parse.unquote(path)}
+        elif value.startswith("/"):
+            paths = {value}
+        else:
             raise serializers.ValidationError("Must be an absolute path, a file:// URI or an s3:// URI.")
-        if "\x00" in value or "/../" in value or value.endswith("/.."):
-            raise serializers.ValidationError("Must not contain '..' segments or NUL bytes.")
+        roots = checkpoint_roots()
+        for path in paths:
+            if "\x00" in path or ".." in path.split("/"):
+                raise serializers.ValidationError("Must not contain '..' segments or NUL bytes.")
+            if not any(_within(_resolved(path), root) for root in roots):
+                shown = ", ".join(settings.WHALEZEN_CHECKPOINT_ROOTS) or "none configured"
+                # The resolved path is not shown: it would tell users where the broker's symlinks lead.
+                raise serializers.ValidationError(
+                    f"Local checkpoints must be inside one of the checkpoint roots ({excerpt(shown, 120)}), "
+                    "after '..' and symbolic links are resolved."
+                )
         return value
 
 
@@ -289,9 +334,9 @@ class JobSpecSerializer(StrictSerializer):
             raise serializers.ValidationError("At most 256 variables.")
         for key in value:
             if not ENV_KEY_RE.match(key):
-                raise serializers.ValidationError(f"{key!r} is not a valid environment variable name.")
+                raise serializers.ValidationError(f"{quoted(key)} is not a valid environment variable name.")
             if key.upper().startswith(RESERVED_ENV_PREFIX):
-                raise serializers.ValidationError(f"{key!r}: names starting with WHALEZEN_ are set by the broker.")
+                raise serializers.ValidationError(f"{quoted(key)}: names starting with WHALEZEN_ are set by the broker.")
         return value
 
     def validate_deadline(self, value):
@@ -339,7 +384,8 @@ def _normalise(attrs: dict[str, Any], catalog: GpuCatalog) -> Demand:
     field = "accelerators" if "accelerators" in res else "gpu_models"
     if unknown:
         errors[field] = [
-            f"Unknown GPU model(s): {', '.join(unknown)}. Known: {', '.join(catalog.names) or 'none'}."
+            f"Unknown GPU model(s): {', '.join(quoted(u) for u in unknown[:5])}. "
+            f"Known: {', '.join(catalog.names) or 'none'}."
         ]
 
     if fraction is not None:

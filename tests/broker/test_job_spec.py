@@ -204,3 +204,93 @@ def test_shipped_examples_are_accepted(acme, path):
 def test_odd_numerals_and_vanishing_cpu_are_refused(acme, resources, field):
     resp = acme.client.post(URL, spec(resources=resources), format="json")
     assert resp.status_code == 400 and field in resp.json()["resources"], resp.content
+
+
+# -- checkpoint URIs: local ones only under the operator's roots (WHALEZEN_CHECKPOINT_ROOTS) ------------
+@pytest.fixture
+def checkpoint_root(settings, tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (tmp_path / "outside").mkdir()
+    (root / "escape").symlink_to(tmp_path / "outside")  # a link inside the root that leads out of it
+    (root / "team").mkdir()
+    settings.WHALEZEN_CHECKPOINT_ROOTS = [str(tmp_path / "other-root"), str(root)]
+    return root
+
+
+@pytest.mark.parametrize("uri", ["file:///etc/passwd", "/etc", "/", "file:///", "{root}", "file://{root}",
+                                 "{root}/../outside/run1", "{root}/escape/run1", "file://{root}/escape",
+                                 "file://{root}/%2e%2e/outside", "{root}x/run1", "file://{root}/../etc",
+                                 "//etc/run1", "{root}/team/./../../outside"])
+def test_local_checkpoint_outside_the_roots_is_refused(acme, checkpoint_root, uri):
+    uri = uri.format(root=checkpoint_root)
+    resp = acme.client.post(URL, spec(checkpoint={"uri": uri}), format="json")
+    assert resp.status_code == 400, (uri, resp.content)
+    (reason,) = resp.json()["checkpoint"]["uri"]
+    assert "checkpoint roots" in reason or "'..'" in reason, reason
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.parametrize("uri", ["{root}/run1", "file://{root}/team/run1", "{root}/new/deeper/run1",
+                                 "{root}/team/", "s3://ckpt-bucket/run1"])
+def test_checkpoint_inside_a_root_or_on_s3_is_accepted(acme, checkpoint_root, uri):
+    uri = uri.format(root=checkpoint_root)
+    resp = acme.client.post(URL, spec(checkpoint={"uri": uri}), format="json")
+    assert resp.status_code == 201, (uri, resp.content)
+    assert resp.json()["spec"]["checkpoint"]["uri"] == uri  # stored as written
+
+
+def test_default_checkpoint_root_is_under_the_var_dir(acme, settings):
+    assert settings.WHALEZEN_CHECKPOINT_ROOTS == [str(settings.VAR_DIR / "checkpoints")]
+    ok = acme.client.post(URL, spec(checkpoint={"uri": f"{settings.VAR_DIR}/checkpoints/run1"}), format="json")
+    assert ok.status_code == 201, ok.content
+    refused = acme.client.post(URL, spec(checkpoint={"uri": f"{settings.VAR_DIR}/whalezen.sqlite3"}), format="json")
+    assert refused.status_code == 400 and "uri" in refused.json()["checkpoint"]
+
+
+# -- error messages quote at most a short excerpt of a bad value -----------------------------------------
+@pytest.mark.parametrize("body,field_path", [
+    (spec(resources={"gpus": 1, "interconnect": "x" * 200_000}), ["resources", "interconnect"]),  # ChoiceField
+    (spec(placement={"spot": "y" * 200_000}), ["placement", "spot"]),
+    (spec(env={"B" * 100_000 + "-": "x"}), ["env"]),
+    (spec(resources={"gpu_models": ["z" * 200]}), ["resources", "gpu_models"]),
+    (spec(resources={"limits": {"k" * 100_000: 1}}), ["resources", "limits"]),
+    (spec(**{"u" * 100_000: 1}), []),  # an unknown field: its key is cut too
+])
+def test_error_messages_quote_only_a_short_excerpt(acme, body, field_path):
+    resp = acme.client.post(URL, body, format="json")
+    assert resp.status_code == 400, resp.content[:300]
+    assert len(resp.content) < 1200, resp.content[:300]
+    node = resp.json()
+    for key in field_path:
+        node = node[key]
+    assert node
+
+
+def test_many_errors_are_counted_not_all_listed(acme):
+    resp = acme.client.post(URL, spec(command=[1] * 1000), format="json")
+    assert resp.status_code == 400
+    errors = resp.json()["command"]
+    assert len(errors) == 21 and errors["…"] == ["980 more fields with errors."]
+    assert len(resp.content) < 3000
+
+
+def test_yaml_spec_with_anchors_is_refused_before_expansion(acme):
+    from bench.hostile_input import job_alias_bomb
+
+    resp = acme.client.post(URL, job_alias_bomb(), content_type="application/yaml")
+    assert resp.status_code == 400
+    assert resp.json() == {"body": ["YAML anchors and aliases are not accepted (line 3, column 5)."]}
+    harmless = "name: a\ncommand: &c [python]\nresources: {gpus: 1}\n"  # even one unused anchor
+    assert acme.client.post(URL, harmless, content_type="application/yaml").status_code == 400
+    assert Job.objects.count() == 0
+
+
+def test_yaml_dates_and_tags_read_as_json_would(acme):
+    dated = "name: a\ncommand: [python, '2026-01-01']\nresources: {gpus: 1}\nenv: {DAY: 2026-01-01}\n"
+    resp = acme.client.post(URL, dated, content_type="application/yaml")
+    assert resp.status_code == 201, resp.content
+    assert resp.json()["spec"]["env"] == {"DAY": "2026-01-01"}  # a string, as in JSON
+    tagged = "name: !!binary YWJj\ncommand: [python]\nresources: {gpus: 1}\n"
+    resp = acme.client.post(URL, tagged, content_type="application/yaml")
+    assert resp.status_code == 400 and "body" in resp.json()
