@@ -6,6 +6,7 @@ from typing import Any
 
 from django.db import transaction
 
+from broker.agents.fencing import unconfirmed_copies
 from broker.inventory.models import Node
 from broker.jobs.models import Allocation, AllocationSlice, JobEvent
 from broker.jobs.states import JobState
@@ -21,6 +22,10 @@ _ACTION_BY_JOB_STATE = {
     # Moving away: the checkpoint is committed, the source must stop writing (fence).
     JobState.MIGRATING: "stop",
 }
+
+
+# A start for a job in these states has not reached a process yet: the one place to hold it back.
+_NOT_STARTED_STATES = frozenset({JobState.PLACED, JobState.PROVISIONING, JobState.STARTING})
 
 
 def node_for_token(presented: str) -> Node | None:
@@ -40,11 +45,18 @@ def node_assignments(*, node: Node) -> dict[str, Any]:
 
     The node row is locked while reading so the epoch and the allocations belong to one moment
     (allocation_commit locks the same row when it changes them).
+
+    A job requeued from a LOST node is not handed out as a `start` while its old copy may still
+    run (broker.agents.fencing): it is left out of the list until then, so the agent neither starts
+    nor refuses it; its GPUs stay reserved.
     """
     with transaction.atomic():
         epoch = Node.objects.select_for_update().filter(pk=node.pk).values_list("epoch", flat=True).get()
         allocations = list(Allocation.objects.filter(node=node, active=True).select_related("job")
                            .order_by("epoch", "pk"))
+        not_started = [a.job_id for a in allocations if a.job.state in _NOT_STARTED_STATES]
+        held = unconfirmed_copies(job_ids=not_started)
+        allocations = [a for a in allocations if a.job_id not in held]
         slices = (AllocationSlice.objects.filter(allocation__in=allocations, active=True)
                   .select_related("gpu").order_by("gpu__index"))
         gpus_by_allocation: dict[int, dict[int, str]] = {}

@@ -96,9 +96,14 @@ class Allocation(models.Model):
     epoch = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     released_at = models.DateTimeField(null=True, blank=True)
+    # Released without word from its agent (the node was LOST): its process may still run. The
+    # job's next start waits until that copy is confirmed stopped or WHALEZEN_FENCE_WAIT_SECONDS
+    # pass (broker.agents.fencing), so a job never runs twice at once.
+    stop_unconfirmed = models.BooleanField(default=False)
 
     class Meta:
-        indexes = [models.Index(fields=["node", "active"])]
+        indexes = [models.Index(fields=["node", "active"]),
+                   models.Index(fields=["job", "stop_unconfirmed"], name="jobs_alloc_job_unconfirmed")]
 
     def __str__(self) -> str:
         return f"alloc {self.pk} job {self.job_id} on {self.node_id}"

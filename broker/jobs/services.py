@@ -110,11 +110,13 @@ def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, 
 
 
 def job_transition(*, job: Job, to: str, expected: str | None = None, reason_code: str = "",
-                   message: str = "", data: dict[str, Any] | None = None) -> Job:
+                   message: str = "", data: dict[str, Any] | None = None, stop_unconfirmed: bool = False) -> Job:
     """Move `job` from `expected` (default: its state as loaded) to `to`, or raise.
 
     Compare-and-set: the UPDATE only matches while the row is still in `expected`, so of two
-    concurrent callers exactly one wins and the other gets StaleState.
+    concurrent callers exactly one wins and the other gets StaleState. `stop_unconfirmed`: the
+    allocations it releases may still have a running process (their node is LOST), and the job's
+    next start waits for them (broker.agents.fencing).
     """
     old = expected or job.state
     if not is_legal(old, to):
@@ -137,7 +139,7 @@ def job_transition(*, job: Job, to: str, expected: str | None = None, reason_cod
             actual = Job.objects.filter(pk=job.pk).values_list("state", flat=True).first() or "deleted"
             raise StaleState(old, actual)
         if to in TERMINAL_STATES or to in (JobState.PENDING, JobState.PREEMPTED):
-            _release_allocations(job=job)
+            _release_allocations(job=job, stop_unconfirmed=stop_unconfirmed)
         event_append(job=job, kind="state", reason_code=reason_code,
                      message=message or f"{old} → {to}", data={"from": old, "to": to, **(data or {})})
     job.refresh_from_db()
@@ -245,28 +247,32 @@ def _check_gpu_quota(*, job: Job, adding: int) -> None:
                        field="resources", code="quota")
 
 
-def _release_allocations(*, job: Job) -> int:
+def _release_allocations(*, job: Job, stop_unconfirmed: bool = False) -> int:
     now = timezone.now()
     alloc_ids = list(Allocation.objects.filter(job=job, active=True).values_list("pk", flat=True))
     if not alloc_ids:
         return 0
     AllocationSlice.objects.filter(allocation_id__in=alloc_ids, active=True).update(active=False)
-    Allocation.objects.filter(pk__in=alloc_ids).update(active=False, released_at=now)
+    Allocation.objects.filter(pk__in=alloc_ids).update(active=False, released_at=now,
+                                                       stop_unconfirmed=stop_unconfirmed)
     node_ids = Allocation.objects.filter(pk__in=alloc_ids).values_list("node_id", flat=True)
     Node.objects.filter(pk__in=list(node_ids)).update(epoch=F("epoch") + 1)
     return len(alloc_ids)
 
 
-def job_requeue(*, job: Job, reason_code: str, message: str) -> bool:
+def job_requeue(*, job: Job, reason_code: str, message: str, stop_unconfirmed: bool = False) -> bool:
     """Back to PENDING (which releases its GPUs); a CHECKPOINTING job goes through PREEMPTED.
 
-    False when the job has already finished or was cancelled meanwhile.
+    False when the job has already finished or was cancelled meanwhile. `stop_unconfirmed`: see
+    `job_transition`.
     """
     for _ in range(3):
         try:
             if job.state == JobState.CHECKPOINTING:
-                job = job_transition(job=job, to=JobState.PREEMPTED, reason_code=reason_code, message=message)
-            return bool(job_transition(job=job, to=JobState.PENDING, reason_code=reason_code, message=message))
+                job = job_transition(job=job, to=JobState.PREEMPTED, reason_code=reason_code, message=message,
+                                     stop_unconfirmed=stop_unconfirmed)
+            return bool(job_transition(job=job, to=JobState.PENDING, reason_code=reason_code, message=message,
+                                       stop_unconfirmed=stop_unconfirmed))
         except StaleState:
             job.refresh_from_db()
         except IllegalTransition:
@@ -274,7 +280,12 @@ def job_requeue(*, job: Job, reason_code: str, message: str) -> bool:
     return False
 
 
-def jobs_requeue_on_node(*, node_id: int, reason_code: str, message: str) -> list[int]:
-    """Requeue every job holding GPUs on a node that is gone (lost, terminated, taken over)."""
+def jobs_requeue_on_node(*, node_id: int, reason_code: str, message: str,
+                         stop_unconfirmed: bool = False) -> list[int]:
+    """Requeue every job holding GPUs on a node that is gone (lost, terminated, taken over).
+
+    `stop_unconfirmed` when nobody knows the node's processes ended (a LOST node): see `job_transition`.
+    """
     jobs = Job.objects.filter(allocations__node_id=node_id, allocations__active=True).distinct()
-    return [job.pk for job in jobs if job_requeue(job=job, reason_code=reason_code, message=message)]
+    return [job.pk for job in jobs
+            if job_requeue(job=job, reason_code=reason_code, message=message, stop_unconfirmed=stop_unconfirmed)]

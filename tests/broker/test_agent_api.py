@@ -387,7 +387,8 @@ def test_gang_job_succeeds_only_when_every_node_exited(acme, join_token):
 
 
 # -- lost nodes ----------------------------------------------------------------------------------
-def test_silent_node_is_marked_lost_and_its_jobs_requeued(acme, registered):
+def test_silent_node_is_marked_lost_and_its_jobs_requeued(acme, registered, settings):
+    settings.WHALEZEN_BROKER_PROBE_URL = ""  # no web server here: the agents' way in counts as up
     node, token = registered
     job, allocation = place(acme, node)
     report(token, allocation, "running", reason="started")
@@ -407,7 +408,8 @@ def test_silent_node_is_marked_lost_and_its_jobs_requeued(acme, registered):
     assert nodes_mark_lost(now=timezone.now() + timedelta(seconds=lost_after_seconds() + 5)) == []
 
 
-def test_heartbeat_brings_a_lost_node_back(registered):
+def test_heartbeat_brings_a_lost_node_back(registered, settings):
+    settings.WHALEZEN_BROKER_PROBE_URL = ""  # no web server here: the agents' way in counts as up
     node, token = registered
     nodes_mark_lost(now=timezone.now() + timedelta(seconds=lost_after_seconds() + 1))
     resp = agent_client(token).post(f"{API}/heartbeat", {"telemetry": []}, format="json").json()

@@ -112,7 +112,9 @@ def test_telemetry_follows_a_failing_gpu(live_server, acme, join_token, tmp_path
     assert Gpu.objects.get(node__name="live-node", index=1).health == GpuHealth.HEALTHY
 
 
-def test_node_is_marked_lost_after_missed_heartbeats_and_its_job_fenced(live_server, acme, join_token, tmp_path):
+def test_node_is_marked_lost_after_missed_heartbeats_and_its_job_fenced(live_server, acme, join_token, tmp_path,
+                                                                         settings):
+    settings.WHALEZEN_BROKER_PROBE_URL = f"{live_server.url}/healthz"  # the web server is up; the agent is not
     clock = FakeClock()
     agent = make_agent(live_server.url, join_token, tmp_path, clock, spec="2xA100-80GB-SXM")
     agent.step()
