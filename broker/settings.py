@@ -186,6 +186,18 @@ WHALEZEN_ORPHAN_GRACE_SECONDS = int(os.environ.get("WHALEZEN_ORPHAN_GRACE_SECOND
 # boot timeout, is given up on and its jobs are placed again.
 WHALEZEN_START_TIMEOUT_SECONDS = int(os.environ.get("WHALEZEN_START_TIMEOUT_SECONDS", 600))
 WHALEZEN_BOOT_TIMEOUT_SECONDS = int(os.environ.get("WHALEZEN_BOOT_TIMEOUT_SECONDS", 1200))
+# Agents heartbeat every WHALEZEN_AGENT_HEARTBEAT_SECONDS; a node silent for
+# WHALEZEN_NODE_LOST_AFTER_SECONDS while the broker is up is LOST. After the broker itself was down
+# (worker gap, or the web server not answering WHALEZEN_BROKER_PROBE_URL; "" = never probe), every
+# node gets that limit again plus WHALEZEN_AGENT_RETRY_CAP_SECONDS (the agents' backoff cap). A job
+# requeued from a LOST node starts again once its old copy is confirmed stopped, or after
+# WHALEZEN_FENCE_WAIT_SECONDS (broker/agents/fencing.py says what that bound covers).
+WHALEZEN_AGENT_HEARTBEAT_SECONDS = int(os.environ.get("WHALEZEN_AGENT_HEARTBEAT_SECONDS", 5))
+WHALEZEN_NODE_LOST_AFTER_SECONDS = int(os.environ.get("WHALEZEN_NODE_LOST_AFTER_SECONDS",
+                                                      6 * WHALEZEN_AGENT_HEARTBEAT_SECONDS))
+WHALEZEN_AGENT_RETRY_CAP_SECONDS = int(os.environ.get("WHALEZEN_AGENT_RETRY_CAP_SECONDS", 60))
+WHALEZEN_FENCE_WAIT_SECONDS = int(os.environ.get("WHALEZEN_FENCE_WAIT_SECONDS", 2 * WHALEZEN_NODE_LOST_AFTER_SECONDS))
+WHALEZEN_BROKER_PROBE_URL = os.environ.get("WHALEZEN_BROKER_PROBE_URL", WHALEZEN_PUBLIC_URL.rstrip("/") + "/healthz")
 
 # Agent routes (broker/agents/throttles.py): registration per client address, the rest per node.
 WHALEZEN_AGENT_REGISTER_RATE = os.environ.get("WHALEZEN_AGENT_REGISTER_RATE", "30/min")
@@ -232,7 +244,9 @@ WHALEZEN_CYCLE_LEASE_SECONDS = int(os.environ.get("WHALEZEN_CYCLE_LEASE_SECONDS"
 CELERY_BEAT_SCHEDULE = {
     "scheduling-sweep": {"task": "scheduler.sweep", "schedule": WHALEZEN_CYCLE_SECONDS},
     "provisioning-sweep": {"task": "provisioning.sweep", "schedule": 30.0},
-    "agents-mark-lost": {"task": "agents.mark_lost", "schedule": 10.0},
+    # Must stay well under WHALEZEN_NODE_LOST_AFTER_SECONDS: a longer gap between runs reads as an outage.
+    "agents-mark-lost": {"task": "agents.mark_lost",
+                         "schedule": float(os.environ.get("WHALEZEN_LOST_SWEEP_SECONDS", 10))},
     "refresh-offers": {"task": "provisioning.refresh_offers", "schedule": 900.0},
 }
 
