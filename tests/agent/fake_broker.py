@@ -6,7 +6,7 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -25,6 +25,7 @@ class FakeBrokerState:
     requests: list[tuple[str, str]] = field(default_factory=list)
     reject_status_for: set[str] = field(default_factory=set)  # assignment ids answered 409
     revoked_tokens: set[str] = field(default_factory=set)
+    on_request: Callable[[str, str], None] | None = None  # called with (method, path) before answering
 
 
 class FakeBroker:
@@ -102,6 +103,8 @@ class _Handler(BaseHTTPRequestHandler):
         fake, state = self.fake, self.fake.state
         body = self._body() if method == "POST" else {}
         with fake.lock:
+            if state.on_request is not None:
+                state.on_request(method, self.path)
             state.requests.append((method, self.path))
             if state.fail_with:
                 return self._send(state.fail_with, {"detail": "simulated outage"})

@@ -178,3 +178,32 @@ def test_exit_report_carries_the_end_of_the_jobs_output(open_dir):
     assert exit_.state == "failed" and exit_.output_tail.endswith("Traceback: boom\n")
     assert "line 2000" in exit_.output_tail and "line 1\n" not in exit_.output_tail
     assert len(exit_.output_tail.encode()) <= 4000
+
+
+def test_a_job_cannot_make_the_agent_read_a_file_for_it(open_dir):
+    # The job owns its folder: it replaces job.log with a link to a file only the agent (root)
+    # may read. Its exit report must not carry that file's contents to the job's owner.
+    secret = open_dir / "root-only"
+    secret.write_text("the agent's secret\n")
+    secret.chmod(0o600)
+    runner = JobRunner(open_dir / "jobs", base_env={"PATH": "/usr/bin:/bin"})
+    runner.start(assignment(command=f"rm -f job.log; ln -s {secret} job.log"), node_id=None)
+    (exit_,) = wait_for(runner.poll, what="job exit")
+    assert exit_.state == "exited" and "secret" not in exit_.output_tail
+
+
+def test_a_job_cannot_make_the_agent_write_a_file_for_it(open_dir):
+    # Links planted at the request file's names: the agent must neither follow them nor fail.
+    target = open_dir / "root-owned"
+    target.write_text("untouched")
+    runner = JobRunner(open_dir / "jobs", base_env={"PATH": "/usr/bin:/bin"})
+    plant = (f"for n in {CHECKPOINT_REQUEST_FILE} {CHECKPOINT_REQUEST_FILE}.tmp; do ln -s {target} $n; done; "
+             "touch ready; sleep 30")
+    job = runner.start(assignment(command=plant), node_id=None)
+    wait_for(lambda: (job.workdir / "ready").exists(), what="links planted")
+    assert runner.request_checkpoint("a1", request_id="c1", checkpoint_uri=None) == "file_only"
+    assert target.read_text() == "untouched"
+    request = job.workdir / CHECKPOINT_REQUEST_FILE
+    assert not request.is_symlink() and json.loads(request.read_text())["request_id"] == "c1"
+    assert request.stat().st_uid == runner.job_user.uid  # the job can read and delete its request
+    runner.stop_all(reason="test over")
