@@ -145,22 +145,21 @@ class Supervisor:
     def stop(self, names: Sequence[str] | None = None, *, grace_s: float = 10.0) -> None:
         """SIGTERM each child's process group, wait up to `grace_s`, then SIGKILL the groups."""
         chosen = [self.children[n] for n in (names or list(self.children)) if n in self.children]
-        running = []
+        running = [c for c in chosen if c.process is not None]
         for child in chosen:
             child.restart_at = None  # no restart for a child we stop
-            if child.process is not None and child.process.poll() is None:
-                signal_group(child.process.pid, signal.SIGTERM)
-                running.append(child)
+        for child in running:
+            # The group even when its leader already exited: what it started may still run.
+            signal_group(child.process.pid, signal.SIGTERM)
         deadline = self._clock() + grace_s
-        while self._clock() < deadline and any(c.process.poll() is None for c in running if c.process):
+        while self._clock() < deadline and any(c.process.poll() is None for c in running):
             time.sleep(0.1)
         for child in running:
-            assert child.process is not None
             forced = child.process.poll() is None
             signal_group(child.process.pid, signal.SIGKILL)  # the leader and anything left in its group
             child.process.wait()
-            self.log(f"{child.spec.name} stopped ({'SIGKILL after ' + format(grace_s, 'g') + ' s' if forced else describe_exit(child.process.returncode)})")
-        for child in chosen:
+            how = f"SIGKILL after {grace_s:g} s" if forced else describe_exit(child.process.returncode)
+            self.log(f"{child.spec.name} stopped ({how})")
             child.process = None
         self._write_state()
 
