@@ -18,10 +18,11 @@ from broker.agents.services import lost_after_seconds, nodes_mark_lost
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.inventory.services import pool_join_token_issue
 from broker.jobs.models import Allocation, Job, JobEvent
-from broker.jobs.services import GpuRequest, allocation_commit, job_transition
+from broker.jobs.services import GpuRequest, allocation_commit, job_transition, jobs_requeue_on_node
 from broker.jobs.states import JobState
 from broker.tenancy import tokens
 
+from .conftest import requires_postgres
 from .test_api_tenancy import submit
 
 API = "/api/v1/agent"
@@ -435,3 +436,157 @@ def test_the_owner_sees_the_end_of_a_failed_jobs_output(acme, registered):
     events = acme.client.get(f"/api/v1/jobs/{job.pk}/events/").json()["results"]
     failed = [e for e in events if e["reason_code"] == "AGENT_FAILED"]
     assert failed and failed[0]["data"]["output_tail"] == tail
+
+
+# -- the one-time instance token and instances the broker gave up on (issue 8, item 4) ----------
+def cloud_instance(acme, *, key: str = "k" * 40, state: str = "PENDING"):
+    """A launched cloud instance waiting for its agent: (instance, its one-time join token)."""
+    from broker.inventory.models import CloudInstance, Pool, PoolKind
+    from broker.provisioning.services import instance_join_token
+
+    pool, _ = Pool.objects.get_or_create(tenant=acme.tenant, name="aws-east", kind=PoolKind.AWS, region="us-east-1")
+    instance = CloudInstance.objects.create(tenant=acme.tenant, pool=pool, request_key=key, state=state,
+                                            instance_type="p4d.24xlarge", node_name=f"aws-east-{key[-4:]}")
+    token = instance_join_token(instance)
+    CloudInstance.objects.filter(pk=instance.pk).update(join_token_hash=tokens.digest(token))
+    instance.refresh_from_db()
+    return instance, token
+
+
+def test_instance_token_works_once_then_401_forever(acme, gpu_models):
+    instance, token = cloud_instance(acme)
+    first = APIClient().post(f"{API}/register", register_body(token, agent_key="key-first-agent"), format="json")
+    assert first.status_code == 201
+    instance.refresh_from_db()
+    assert instance.node_id == int(first.json()["node_id"]) and instance.join_token_hash == ""
+    # The same agent again (its first answer lost) and anyone else: refused, nothing changes.
+    for agent_key in ("key-first-agent", "key-intruder-1"):
+        resp = APIClient().post(f"{API}/register", register_body(token, agent_key=agent_key), format="json")
+        assert resp.status_code == 401 and resp.json() == {"detail": "Invalid join token."}
+    assert NodeAgent.objects.get(node_id=instance.node_id).agent_key == "key-first-agent"
+    assert agent_client(first.json()["node_token"]).get(f"{API}/assignments").status_code == 200
+
+
+def test_reused_instance_token_cannot_bring_back_a_lost_instance_or_take_its_job(acme, gpu_models):
+    """The attack of issue 8: read the instance token, SIGKILL the agent (its job moves on),
+    register again with the token and a new agent key."""
+    instance, token = cloud_instance(acme)
+    resp = APIClient().post(f"{API}/register", register_body(token, agent_key="key-victim-agent"), format="json")
+    node, node_token = Node.objects.get(pk=resp.json()["node_id"]), resp.json()["node_token"]
+    job, allocation = place(acme, node, indices=(0, 1))
+    report(node_token, allocation, "running", reason="started")
+    # The agent went silent: what the lost-node sweep does.
+    Node.objects.filter(pk=node.pk).update(state=NodeState.LOST)
+    jobs_requeue_on_node(node_id=node.pk, reason_code="NODE_LOST", message="silent")
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    node.refresh_from_db()
+    seen_at = node.last_heartbeat_at
+
+    again = APIClient().post(f"{API}/register", register_body(token, agent_key="key-attacker-1"), format="json")
+    assert again.status_code == 401
+    old = agent_client(node_token)
+    assert old.post(f"{API}/heartbeat", {"telemetry": [reading(0)]}, format="json").status_code == 401
+    assert old.get(f"{API}/assignments").status_code == 401
+    node.refresh_from_db()
+    assert (node.state, node.last_heartbeat_at, node.token_hash) == (NodeState.LOST, seen_at, "")
+    assert NodeAgent.objects.get(node=node).agent_key == "key-victim-agent"
+    # It is never handed a job: no allocation, and the scheduler does not see it as ready.
+    from broker.scheduler.snapshot import tenant_snapshot
+
+    assert not Allocation.objects.filter(node=node, active=True).exists()
+    (seen,) = [n for n in tenant_snapshot(tenant=acme.tenant).nodes if n.id == str(node.pk)]
+    assert seen.state != "ready"
+
+
+def test_a_pool_join_token_cannot_take_over_a_given_up_instance_node(acme, gpu_models):
+    from broker.inventory.services import pool_join_token_issue as issue
+
+    instance, token = cloud_instance(acme)
+    node_id = APIClient().post(f"{API}/register", register_body(token), format="json").json()["node_id"]
+    Node.objects.filter(pk=node_id).update(state=NodeState.LOST)
+    pool_token = issue(pool=instance.pool)
+    resp = APIClient().post(f"{API}/register", register_body(pool_token, name=instance.node_name,
+                                                             agent_key="key-takeover-1"), format="json")
+    assert resp.status_code == 409 and "name" in resp.json()
+    assert Node.objects.get(pk=node_id).state == NodeState.LOST
+
+
+def test_terminating_an_instance_retires_its_node_at_once(acme, gpu_models):
+    from broker.provisioning.services import instance_terminate
+
+    instance, token = cloud_instance(acme)
+    resp = APIClient().post(f"{API}/register", register_body(token), format="json")
+    node_token = resp.json()["node_token"]
+    job, _ = place(acme, Node.objects.get(pk=resp.json()["node_id"]), indices=(0,))
+    instance.refresh_from_db()
+    instance_terminate(instance=instance, reason="idle")
+    node = Node.objects.get(pk=resp.json()["node_id"])
+    assert node.state == NodeState.OFFLINE and node.token_hash == ""
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    assert agent_client(node_token).post(f"{API}/heartbeat", {"telemetry": []}, format="json").status_code == 401
+    node.refresh_from_db()
+    assert node.state == NodeState.OFFLINE
+
+
+@pytest.mark.parametrize("state", ["TERMINATING", "TERMINATED", "FAILED"])
+def test_the_token_of_an_instance_given_up_before_it_booted_is_refused(acme, gpu_models, state):
+    _, token = cloud_instance(acme, state=state)  # e.g. retired after its boot timeout
+    resp = APIClient().post(f"{API}/register", register_body(token), format="json")
+    assert resp.status_code == 401
+    assert not Node.objects.filter(name__startswith="aws-east").exists()
+
+
+def test_instance_node_whose_instance_is_terminating_is_refused_on_its_next_call(acme, gpu_models):
+    from broker.inventory.models import CloudInstance, InstanceState
+
+    instance, token = cloud_instance(acme)
+    resp = APIClient().post(f"{API}/register", register_body(token), format="json")
+    # Another path (the reconciler, an admin) changed the row without going through the node.
+    CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATED)
+    client = agent_client(resp.json()["node_token"])
+    assert client.get(f"{API}/assignments").status_code == 401
+    node = Node.objects.get(pk=resp.json()["node_id"])
+    assert node.state == NodeState.OFFLINE and node.token_hash == ""
+
+
+def test_a_failed_registration_does_not_use_up_the_instance_token(acme, gpu_models):
+    _, token = cloud_instance(acme)
+    body = register_body(token)
+    body["gpus"][1]["uuid"] = "GPU-" + "1" * 36
+    globex_like = register_body(token)
+    globex_like["gpus"][1]["uuid"] = body["gpus"][1]["uuid"]
+    Gpu.objects.filter(node=acme.nodes[0], index=0).update(uuid=body["gpus"][1]["uuid"])  # taken: 409
+    assert APIClient().post(f"{API}/register", body, format="json").status_code == 409
+    assert APIClient().post(f"{API}/register", register_body(token), format="json").status_code == 201
+
+
+@requires_postgres
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_two_registrations_with_one_instance_token_at_once_one_wins(acme, gpu_models):
+    """Real concurrent transactions (PostgreSQL; SQLite serialises writers anyway)."""
+    import threading
+
+    from django.db import connection
+
+    _, token = cloud_instance(acme)
+    barrier = threading.Barrier(4)
+    codes: list[int] = []
+
+    def attempt(i: int) -> None:
+        try:
+            barrier.wait()
+            body = register_body(token, agent_key=f"key-racer-{i:04d}")
+            codes.append(APIClient().post(f"{API}/register", body, format="json").status_code)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(codes) == [201, 401, 401, 401]
+    assert Node.objects.filter(name__startswith="aws-east").count() == 1

@@ -20,6 +20,7 @@ import pytest
 from django.utils import timezone
 
 from agent.backends.fake import FakeBackend
+from agent.isolation import default_work_dir
 from agent.loop import Agent, AgentConfig, RegistrationRefused
 from broker.agents.services import lost_after_seconds, nodes_mark_lost
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
@@ -86,14 +87,14 @@ def test_agent_registers_heartbeats_and_runs_a_job_with_its_gpus(live_server, ac
     assert node.last_heartbeat_at is not None
 
     job = submit(acme, name="envdump", command=jobscripts.WRITE_ENV, resources={"gpus": 2},
-                 env={"LR": "0.1"}, checkpoint={"uri": "/shared/ckpt/envdump"})
+                 env={"LR": "0.1"}, checkpoint={"uri": "s3://ckpt-bucket/envdump"})
     (allocation,) = allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(5, 7))])
     clock.advance(5)  # the next heartbeat pulls the assignment
     pump(agent, clock, lambda: job_state(job) == JobState.SUCCEEDED, what="job to succeed")
 
-    env = json.loads((tmp_path / "live-node" / "jobs" / str(allocation.pk) / "env.json").read_text())
+    env = json.loads((agent.runner.jobs_dir / str(allocation.pk) / "env.json").read_text())
     assert env["CUDA_VISIBLE_DEVICES"] == "5,7"
-    assert env["WHALEZEN_JOB_ID"] == str(job.pk) and env["WHALEZEN_CHECKPOINT_URI"] == "/shared/ckpt/envdump"
+    assert env["WHALEZEN_JOB_ID"] == str(job.pk) and env["WHALEZEN_CHECKPOINT_URI"] == "s3://ckpt-bucket/envdump"
     assert env["LR"] == "0.1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert not Allocation.objects.get(pk=allocation.pk).active
     kinds = list(job.events.filter(kind="agent").values_list("reason_code", flat=True))
@@ -183,7 +184,8 @@ def test_agent_process_takes_over_a_seeded_node_and_runs_its_job(live_server, ac
             proc.communicate()
     assert proc.returncode == 0 and "Traceback" not in err
     assert job_state(job) == JobState.SUCCEEDED
-    env = json.loads((state_dir / "jobs" / str(allocation.pk) / "env.json").read_text())
+    # Job work dirs live beside the agent's state dir, never inside it (agent/isolation.py).
+    env = json.loads((default_work_dir(state_dir) / str(allocation.pk) / "env.json").read_text())
     assert env["CUDA_VISIBLE_DEVICES"] == "6"
     node.refresh_from_db()
     assert "simulated" not in node.labels and node.last_heartbeat_at is not None
