@@ -21,9 +21,11 @@ def agent_boot_script(
     python: str = "python3",
 ) -> str:
     """A bash script that installs the agent and starts `python -m agent --server URL --name NAME`
-    as a systemd service, with the join token in WHALEZEN_JOIN_TOKEN (the agent reads it like
-    `--join-token`). The token only lets a node register (the agent then gets its own node
-    token); it sits in a root-only env file, never on a command line `ps` can show."""
+    as a systemd service. The join token only lets a node register (the agent then gets its own
+    node token); it sits in a root-only file that the agent reads (`--join-token-file`) and deletes
+    once registered: never on a command line `ps` can show, nor in the agent's environment, which
+    stays readable in /proc for the agent's whole life. Jobs run as the unprivileged user
+    `whalezen-job`, created here (docs/agent.md, "Jobs cannot read the agent's secrets")."""
     for label, value in (("server_url", server_url), ("join_token", join_token), ("node_name", node_name)):
         # Values go into an env file verbatim: a newline or quote would let them inject lines.
         if not value or any(c in value for c in "\n\r\"'`$\\"):
@@ -36,9 +38,13 @@ install -d -m 0700 /etc/whalezen
 umask 077
 cat > /etc/whalezen/agent.env <<'WZEOF'
 WHALEZEN_SERVER={server_url}
-WHALEZEN_JOIN_TOKEN={join_token}
 WHALEZEN_NODE_NAME={node_name}
 WZEOF
+cat > /etc/whalezen/join-token <<'WZEOF'
+{join_token}
+WZEOF
+id -u whalezen-job >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin whalezen-job \
+|| echo "whalezen: cannot create the whalezen-job user; jobs will run as nobody" >&2
 cat > /etc/systemd/system/whalezen-agent.service <<'WZEOF'
 [Unit]
 Description=WhaleZen node agent
@@ -47,7 +53,7 @@ Wants=network-online.target
 [Service]
 EnvironmentFile=/etc/whalezen/agent.env
 WorkingDirectory={AGENT_HOME}
-ExecStart=/bin/sh -c 'exec {python} -m agent --server "$WHALEZEN_SERVER" --name "$WHALEZEN_NODE_NAME" --state-dir /var/lib/whalezen-agent'
+ExecStart=/bin/sh -c 'exec {python} -m agent --server "$WHALEZEN_SERVER" --name "$WHALEZEN_NODE_NAME" --state-dir /var/lib/whalezen-agent --join-token-file /etc/whalezen/join-token --delete-join-token-file'
 Restart=always
 RestartSec=5
 [Install]

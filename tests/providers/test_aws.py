@@ -71,7 +71,7 @@ def test_launch_gpu_instance_tagged_at_creation(aws: AwsProvider, aws_account: s
     user_data = client.describe_instance_attribute(InstanceId=info.ref.instance_id, Attribute="userData")
     script = base64.b64decode(user_data["UserData"]["Value"]).decode()
     assert "-m agent --server" in script and "WHALEZEN_SERVER=http://broker.test:8000" in script
-    assert "WHALEZEN_JOIN_TOKEN=join-secret-123" in script
+    assert "\njoin-secret-123\n" in script  # its root-only token file
 
 
 def test_spot_request_asks_for_spot_market_and_tags_the_request(aws: AwsProvider) -> None:

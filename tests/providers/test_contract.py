@@ -88,7 +88,9 @@ def test_providers_never_import_django_or_broker() -> None:
 def test_boot_script_runs_agent_and_refuses_injection() -> None:
     script = agent_boot_script(server_url="https://wz.example:8443", join_token="jt-abc", node_name="n1")
     assert "-m agent --server" in script
-    assert "WHALEZEN_JOIN_TOKEN=jt-abc" in script and "--join-token" not in script  # env file, not argv and "systemctl enable --now whalezen-agent" in script
+    # The token in a root-only file the agent reads: neither on its argv nor in its environment.
+    assert "\njt-abc\n" in script and "--join-token-file /etc/whalezen/join-token" in script
+    assert "WHALEZEN_JOIN_TOKEN" not in script and "systemctl enable --now whalezen-agent" in script
     with pytest.raises(ValueError):
         agent_boot_script(server_url="http://x", join_token="tok\nrm -rf /", node_name="n1")
     with pytest.raises(ValueError):

@@ -50,7 +50,7 @@ def test_insert_n1_with_attached_gpus_on_spot(gcp: GcpProvider, fake_gce: FakeGc
     assert body["labels"]["whalezen-request"] == request.request_key
     assert body["disks"][0]["initializeParams"]["labels"] == body["labels"]  # the disk is labelled too
     script = {i["key"]: i["value"] for i in body["metadata"]["items"]}["startup-script"]
-    assert "-m agent --server" in script and "WHALEZEN_JOIN_TOKEN=join-secret-123" in script
+    assert "-m agent --server" in script and "\njoin-secret-123\n" in script  # its root-only token file
     # We waited through our own operations client, against our endpoint.
     assert len(fake_gce.fake.calls("POST", "/operations/")) >= 3
 

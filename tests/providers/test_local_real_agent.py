@@ -73,6 +73,11 @@ def test_real_agent_registers_with_join_token_and_stops_on_terminate(tmp_path: P
         assert body.get("name") == request.node_name
         gpus = body.get("gpus", [])
         assert len(gpus) == 4 and all("T4" in g["model"] for g in gpus)  # --fake-gpus 4xT4 reached the agent
+        # The token came on stdin: the agent's command line and environment (what /proc shows
+        # for as long as it runs, to `ps` and to anything running as its user) never held it.
+        pid = json.loads((tmp_path / "state" / "instances" / f"{info.ref.instance_id}.json").read_text())["pid"]
+        for view in ("environ", "cmdline"):
+            assert b"join-secret-123" not in Path(f"/proc/{pid}/{view}").read_bytes(), view
     finally:
         record = json.loads((tmp_path / "state" / "instances" / f"{info.ref.instance_id}.json").read_text())
         assert provider.terminate(info.ref).state is InstanceState.TERMINATED
