@@ -94,10 +94,14 @@ def resolve_job_user(spec: str | None) -> JobUser:
     return user
 
 
-def shared_user_warning(user: JobUser, state_dir: Path) -> str:
-    return (f"jobs run as this agent's own user ({user.name}): they can read its state dir {state_dir} "
-            "(node token, agent key) and its process environment. Run the agent as root, or with "
-            "--job-user, to run jobs as a separate unprivileged user.")
+def log_job_isolation(user: JobUser, *, work_dir: Path, state_dir: Path) -> None:
+    """Say at start who jobs run as; loudly when they share the agent's user (and its secrets)."""
+    if user.separate:
+        log.info("jobs run as user %s (uid %d), work dirs under %s", user.name, user.uid, work_dir)
+    else:
+        log.warning("jobs run as this agent's own user (%s): they can read its state dir %s (node token, "
+                    "agent key) and its process environment. Run the agent as root, or with --job-user, to "
+                    "run jobs as a separate unprivileged user.", user.name, state_dir)
 
 
 def default_work_dir(state_dir: Path) -> Path:

@@ -10,10 +10,13 @@ later, and `/proc/<pid>/cmdline` is readable by every user. So the agent takes t
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 JOIN_TOKEN_ENV = "WHALEZEN_JOIN_TOKEN"
 FD_OPTION = "--join-token-fd"
@@ -100,3 +103,11 @@ def read_join_token(*, value: str | None, path: Path | None, fd: int | None) -> 
     if not token:
         raise JoinTokenError("the join token given is empty")
     return token
+
+
+def delete_token_file(path: Path) -> None:
+    """--delete-join-token-file, once the node is registered."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:
+        log.warning("cannot delete the join token file %s: %s", path, err)

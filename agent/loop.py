@@ -27,8 +27,9 @@ from typing import Any
 from agent.backends.base import GpuBackend
 from agent.backoff import Backoff
 from agent.client import BrokerAuthError, BrokerClient, BrokerRejected, BrokerUnavailable
-from agent.isolation import check_work_dir, default_work_dir, resolve_job_user, shared_user_warning
+from agent.isolation import check_work_dir, default_work_dir, log_job_isolation, resolve_job_user
 from agent.jobs import Assignment, AssignmentInvalid, JobExit, JobRunner, JobStartError
+from agent.jointoken import delete_token_file
 from agent.model import GpuReading, Health
 from agent.procs import kill_orphan, process_start_ticks
 from agent.protocol import heartbeat_payload, registration_payload
@@ -110,11 +111,7 @@ class Agent:
             return
         self.backend.start()
         self.backend.inventory()
-        if self.job_user.separate:
-            log.info("jobs run as user %s (uid %d), work dirs under %s", self.job_user.name, self.job_user.uid,
-                     self.runner.jobs_dir)
-        else:
-            log.warning("%s", shared_user_warning(self.job_user, self.config.state_dir))
+        log_job_isolation(self.job_user, work_dir=self.runner.jobs_dir, state_dir=self.config.state_dir)
         # Before the first call to the broker: nothing a previous run left may keep running.
         self._fence_orphans()
         self._started = True
@@ -238,21 +235,14 @@ class Agent:
             raise BrokerUnavailable(f"registration answer lacks {err}") from None
         self.store.save_identity(identity)
         self.identity = identity
-        self._drop_join_token_file()
+        if self.config.join_token_file is not None:  # it has done its job; a file nobody reads cannot leak
+            delete_token_file(self.config.join_token_file)
         if self.state.node_id != identity.node_id:
             self._forget_previous_node(identity.node_id)
         self._see_epoch(body.get("epoch"))
         if self.config.heartbeat_seconds is None and body.get("heartbeat_seconds"):
             self.heartbeat_s = float(body["heartbeat_seconds"])
         log.info("registered as node %s (%d GPUs)", identity.node_id, len(self.backend.inventory().gpus))
-
-    def _drop_join_token_file(self) -> None:
-        """Registered: the join token file has done its job; a file nobody reads cannot leak."""
-        if self.config.join_token_file is not None:
-            try:
-                self.config.join_token_file.unlink(missing_ok=True)
-            except OSError as err:
-                log.warning("cannot delete the join token file %s: %s", self.config.join_token_file, err)
 
     def _sample(self, now: float) -> None:
         try:
