@@ -1,7 +1,9 @@
 """Selector: the cloud offers a tenant can launch now, as `scheduling.CloudOffer`s.
 
 Offers come from each enabled cloud pool's provider (catalog prices), minus places blocked after a
-capacity or quota error; `launchable` is what the pool's instance quota still allows.
+capacity or quota error; `launchable` is what the pool's instance quota still allows. All offers of
+a pool share that quota: they carry the pool as their `launch_group`, and `pool_launch_limits` says
+how many more instances each group may launch, whatever their types (issue 8 item 9).
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ from scheduling import model as sm
 log = logging.getLogger(__name__)
 CLOUD_KINDS = (PoolKind.AWS, PoolKind.GCP, PoolKind.LOCAL)
 LIVE_INSTANCE_STATES = (InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING)
+# What counts against a pool's max_instances: everything we may be paying for, so an instance
+# whose termination the provider has not confirmed yet still holds its place.
+CAPPED_INSTANCE_STATES = LIVE_INSTANCE_STATES + (InstanceState.TERMINATING,)
 # Refreshed by the provisioning.refresh_offers task; a cycle refreshes on its own when the cache is cold.
 OFFER_CACHE_SECONDS = 3600
 FAST_FABRICS = {"efa", "infiniband", "gpudirect-tcpx", "gpudirect-tcpxo", "roce"}
@@ -73,13 +78,27 @@ def offer_id(pool: Pool, offer: Offer) -> str:
     return f"{pool.pk}:{offer.region}:{offer.zone}:{offer.instance_type}:{offer.gpu_model}:{offer.gpu_count}"
 
 
+def launch_group(pool: Pool) -> str:
+    return f"pool:{pool.pk}"
+
+
+def pool_instances_capped(*, pool: Pool) -> int:
+    """Instances counted against the pool's max_instances now."""
+    return CloudInstance.objects.filter(pool=pool, state__in=CAPPED_INSTANCE_STATES).count()
+
+
+def pool_launch_limits(*, tenant: Tenant) -> tuple[sm.LaunchLimit, ...]:
+    """How many more instances each of the tenant's cloud pools may launch (all types together)."""
+    return tuple(sm.LaunchLimit(launch_group(pool), max(0, pool.max_instances - pool_instances_capped(pool=pool)))
+                 for pool in Pool.objects.filter(tenant=tenant, kind__in=CLOUD_KINDS).order_by("pk"))
+
+
 def cloud_offers(*, tenant: Tenant) -> tuple[tuple[sm.CloudOffer, ...], dict[str, OfferRef]]:
     now = timezone.now()
     result: list[sm.CloudOffer] = []
     index: dict[str, OfferRef] = {}
     for pool in Pool.objects.filter(tenant=tenant, enabled=True, kind__in=CLOUD_KINDS, max_instances__gt=0):
-        live = CloudInstance.objects.filter(pool=pool, state__in=LIVE_INSTANCE_STATES).count()
-        launchable = max(0, pool.max_instances - live)
+        launchable = max(0, pool.max_instances - pool_instances_capped(pool=pool))
         blocked = set(OfferBlock.objects.filter(pool=pool, until__gt=now)
                       .values_list("region", "zone", "instance_type"))
         for offer in _pool_offers(pool):
@@ -99,7 +118,7 @@ def cloud_offers(*, tenant: Tenant) -> tuple[tuple[sm.CloudOffer, ...], dict[str
                 ondemand_price_per_hour=offer.on_demand_per_hour, spot_price_per_hour=offer.spot_per_hour,
                 launchable=launchable, nvlink="nvlink" in fabric or "nvswitch" in fabric,
                 fast_fabric=bool(fabric & FAST_FABRICS), vcpus=int(offer.vcpus),
-                memory_mb=int(offer.memory_gib * 1024),
+                memory_mb=int(offer.memory_gib * 1024), launch_group=launch_group(pool),
             ))
     result.sort(key=lambda o: o.id)
     return tuple(result), index

@@ -10,7 +10,7 @@ import hashlib
 import hmac
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
 
@@ -18,12 +18,12 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from broker.inventory.models import CloudInstance, InstanceState, Node, NodeState, OfferBlock
+from broker.inventory.models import CloudInstance, InstanceState, Node, NodeState, OfferBlock, Pool
 from broker.jobs.models import Job
 from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_transition, jobs_requeue_on_node
 from broker.jobs.states import ACTIVE_STATES, JobState
 from broker.provisioning.factory import provider_for_pool
-from broker.provisioning.offers import OfferRef
+from broker.provisioning.offers import OfferRef, pool_instances_capped
 from broker.tenancy import tokens
 from providers.base import InstanceRef, InstanceState as ProviderState, ProviderError, ProvisionRequest, \
     derive_request_key
@@ -36,6 +36,21 @@ log = logging.getLogger(__name__)
 class LaunchResult:
     instances: list[CloudInstance]
     jobs: list[int]
+    # Jobs of the plan's instances the pool's cap refused (they stay PENDING), and why.
+    held_back: list[int] = field(default_factory=list)
+    held_back_reason: str = ""
+
+
+class InstanceCapReached(JobError):
+    """The pool already runs as many instances as its max_instances allows: nothing is launched."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="pool", code="conflict")
+
+
+def _cap_message(pool: Pool, live: int, wanted: int) -> str:
+    return (f"OFFER_QUOTA: pool {pool.name} allows {pool.max_instances} instance(s) at once and has {live}; "
+            f"{wanted} more were planned. The job waits for one to be freed.")
 
 
 def instance_join_token(instance: CloudInstance) -> str:
@@ -64,9 +79,13 @@ def instance_join_token_consume(*, instance: CloudInstance, join_token: str) -> 
 def launch_request(*, launch: sm.Launch, ref: OfferRef, plan: sm.Plan, jobs: dict[str, Job]) -> LaunchResult:
     """Record `launch.count` instances for a plan's launch and move its jobs to PROVISIONING (one transaction).
 
+    The pool's `max_instances` is a hard limit on money: the pool row is locked and its instances
+    counted in the same transaction, so two cycles committing at once cannot pass it together
+    (the plan was made from a snapshot that may be stale). Instances beyond the cap are not
+    recorded and their jobs stay PENDING (`held_back`); none left at all raises InstanceCapReached.
     The provider is called afterwards, by `instance_provision`, outside this transaction.
     """
-    pool, offer = ref.pool, ref.offer
+    offer = ref.offer
     price = offer.spot_per_hour if launch.spot and offer.spot_per_hour else offer.on_demand_per_hour
     parts_by_instance: dict[int, list[dict]] = {}
     for job_id in launch.job_ids:
@@ -78,7 +97,17 @@ def launch_request(*, launch: sm.Launch, ref: OfferRef, plan: sm.Plan, jobs: dic
     created: list[CloudInstance] = []
     moved: list[int] = []
     with transaction.atomic():
-        for i in range(launch.count):
+        pool = Pool.objects.select_for_update().get(pk=ref.pool.pk)
+        live = pool_instances_capped(pool=pool)
+        allowed = min(launch.count, max(0, pool.max_instances - live))
+        if allowed == 0:
+            raise InstanceCapReached(_cap_message(pool, live, launch.count))
+        held_back = sorted({part["job_id"] for i, parts in parts_by_instance.items() if i >= allowed
+                            for part in parts})
+        launching = {part["job_id"] for i, parts in parts_by_instance.items() if i < allowed for part in parts}
+        if launching & set(held_back):  # a gang over instances on both sides of the cap: all or nothing
+            raise InstanceCapReached(_cap_message(pool, live, launch.count))
+        for i in range(allowed):
             allocation_id = f"launch-{uuid.uuid4().hex[:12]}"
             key = derive_request_key(allocation_id=allocation_id, attempt=1, provider=pool.kind,
                                      instance_type=offer.instance_type, zone=offer.zone)
@@ -107,7 +136,11 @@ def launch_request(*, launch: sm.Launch, ref: OfferRef, plan: sm.Plan, jobs: dic
                     moved.append(job.pk)
         ids = [i.pk for i in created]
         transaction.on_commit(lambda: _enqueue_provision(ids))
-    return LaunchResult(instances=created, jobs=moved)
+    if held_back:
+        log.warning("pool %s at its cap of %d: %d planned instance(s) not launched", pool.name, pool.max_instances,
+                    launch.count - allowed)
+    return LaunchResult(instances=created, jobs=moved, held_back=held_back,
+                        held_back_reason=_cap_message(pool, live, launch.count) if held_back else "")
 
 
 def _enqueue_provision(instance_ids: list[int]) -> None:

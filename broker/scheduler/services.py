@@ -20,8 +20,8 @@ from broker.inventory.models import Node
 from broker.jobs.models import Job
 from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_set_pending_reason, job_transition
 from broker.jobs.states import JobState
-from broker.provisioning.offers import OfferRef, cloud_offers
-from broker.provisioning.services import launch_request
+from broker.provisioning.offers import OfferRef, cloud_offers, pool_launch_limits
+from broker.provisioning.services import InstanceCapReached, launch_request
 from broker.scheduler.models import CycleLease, CycleRecord
 from broker.scheduler.snapshot import tenant_snapshot
 from broker.tenancy.models import Tenant
@@ -68,7 +68,8 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
         if not Job.objects.filter(tenant=tenant, state=JobState.PENDING).exists():
             return CycleOutcome(ran=True)
         offers, offer_index = cloud_offers(tenant=tenant)
-        snapshot = tenant_snapshot(tenant=tenant, seed=cycle_number, offers=offers)
+        snapshot = tenant_snapshot(tenant=tenant, seed=cycle_number, offers=offers,
+                                   launch_limits=pool_launch_limits(tenant=tenant))
         plan = schedule(snapshot, policy)
         outcome = plan_commit(tenant=tenant, plan=plan, offer_index=offer_index)
         CycleRecord.objects.create(
@@ -127,8 +128,18 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
             result = launch_request(launch=launch, ref=ref, plan=plan, jobs=jobs)
             outcome.placed.extend(result.jobs)
             outcome.launched.extend(i.pk for i in result.instances)
+            held_back, cap_message = result.held_back, result.held_back_reason
+        except InstanceCapReached as exc:
+            held_back, cap_message = [int(j) for j in launch.job_ids if str(j).isdigit()], str(exc)
         except JobError as exc:
             outcome.conflicts.append(f"launch {launch.launch_id}: {exc}")
+            continue
+        if held_back:
+            # The pool's cap, checked under its lock, refused what the plan wanted: the jobs wait.
+            outcome.conflicts.append(f"launch {launch.launch_id}: {cap_message}")
+            for job in Job.objects.filter(pk__in=held_back, state=JobState.PENDING):
+                job_set_pending_reason(job=job, code=sm.ReasonCode.OFFER_QUOTA.value, message=cap_message,
+                                       data={"pool": ref.pool.name, "max_instances": ref.pool.max_instances})
 
     for job_id, reason in plan.pending.items():
         job = jobs.get(job_id)

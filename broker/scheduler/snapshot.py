@@ -65,7 +65,8 @@ def _gpu_state(gpu: Gpu, slots_used: int) -> sm.GpuState:
 
 
 def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = None,
-                    offers: tuple[sm.CloudOffer, ...] = ()) -> sm.Snapshot:
+                    offers: tuple[sm.CloudOffer, ...] = (),
+                    launch_limits: tuple[sm.LaunchLimit, ...] = ()) -> sm.Snapshot:
     now = now or timezone.now()
     slots_by_gpu: dict[int, int] = defaultdict(int)
     for gpu_id in AllocationSlice.objects.filter(active=True, gpu__node__tenant=tenant).values_list("gpu_id", flat=True):
@@ -129,7 +130,7 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
         tenants=(tenant_budget(tenant=tenant, now=now),),
         gpu_models=tuple(sm.GpuModelInfo(m.name, float(m.compute_units), m.memory_gb * 1024)
                          for m in GpuModel.objects.all()),
-        seed=seed,
+        seed=seed, launch_limits=launch_limits,
     )
 
 

@@ -16,6 +16,7 @@ from broker.scheduler.services import scheduling_cycle_run
 from providers.base import ErrorKind, ProviderError
 from tests.providers.conftest import moto_ami, moto_endpoint  # noqa: F401  (fixtures)
 
+from .conftest import requires_postgres
 from .test_api_tenancy import submit
 
 
@@ -198,3 +199,124 @@ def test_an_instance_that_never_registers_is_terminated_and_its_job_requeued(acm
     assert job.state == JobState.PENDING and job.pending_reason_code == "BOOT_TIMEOUT"
     assert instance.state in (InstanceState.TERMINATING, InstanceState.TERMINATED)
     assert running_ours(moto_endpoint, settings.WHALEZEN_BROKER_ID) == []
+
+
+# -- a pool's instance cap (issue 8 item 9) -------------------------------------------------------------
+@pytest.fixture
+def sim_pool(acme, settings, tmp_path):
+    """The demo's `cloud-sim`: the local provider's 1xL4, 4xT4 and 8xA100 shapes, at most 2 instances."""
+    settings.VAR_DIR = tmp_path
+    for node in acme.nodes:  # no on-prem capacity: every job must burst
+        node.state = "OFFLINE"
+        node.save()
+    return Pool.objects.create(tenant=acme.tenant, name="cloud-sim", kind=PoolKind.LOCAL, region="sim-east-1",
+                               max_instances=2)
+
+
+def burst_jobs(acme, count: int, prefix: str = "j") -> list[Job]:
+    # A mix that fits three instance types, as the 320 one-GPU jobs of the issue did.
+    models = (["A100-80GB"], ["T4"], ["L4"])
+    return [submit(acme, name=f"{prefix}{k}", resources={"gpus": 1, "gpu_models": models[k % 3]},
+                   placement={"providers": ["local"]}, expected_duration_hours=4) for k in range(count)]
+
+
+def live_instances(pool: Pool) -> int:
+    from broker.provisioning.offers import pool_instances_capped
+
+    return pool_instances_capped(pool=pool)
+
+
+def test_one_cycle_launches_at_most_the_pools_cap_over_all_instance_types(acme, sim_pool):
+    jobs = burst_jobs(acme, 30)
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert 0 < len(outcome.launched) <= 2 and live_instances(sim_pool) == len(outcome.launched)
+    # Every job that got no instance waits, and says why.
+    waiting = Job.objects.filter(pk__in=[j.pk for j in jobs], state=JobState.PENDING)
+    assert waiting.exists() and all(j.pending_reason for j in waiting)
+    # The next cycle sees the pool full and launches nothing more.
+    assert scheduling_cycle_run(tenant=acme.tenant).launched == []
+    assert live_instances(sim_pool) <= 2
+
+
+def stale_plans(acme, first: list[Job], second: list[Job]):
+    """Two cycles' plans made from the same moment (the pool empty), each for its own jobs."""
+    from dataclasses import replace
+
+    from broker.provisioning.offers import cloud_offers, pool_launch_limits
+    from broker.scheduler.services import BROKER_POLICY
+    from broker.scheduler.snapshot import tenant_snapshot
+    from scheduling.engine import schedule
+
+    offers, index = cloud_offers(tenant=acme.tenant)
+    snap = tenant_snapshot(tenant=acme.tenant, offers=offers, launch_limits=pool_launch_limits(tenant=acme.tenant))
+    plans = []
+    for jobs in (first, second):
+        ids = {str(j.pk) for j in jobs}
+        plans.append(schedule(replace(snap, pending=tuple(p for p in snap.pending if p.job_id in ids)), BROKER_POLICY))
+    assert all(sum(launch.count for launch in plan.launches) == 2 for plan in plans)  # each alone: up to the cap
+    return plans, index
+
+
+def test_a_stale_plan_cannot_launch_past_the_cap(acme, sim_pool):
+    from broker.scheduler.services import plan_commit
+
+    first, second = burst_jobs(acme, 6, "a"), burst_jobs(acme, 6, "b")
+    (plan_a, plan_b), index = stale_plans(acme, first, second)
+    assert len(plan_commit(tenant=acme.tenant, plan=plan_a, offer_index=index).launched) == 2
+    late = plan_commit(tenant=acme.tenant, plan=plan_b, offer_index=index)
+    assert late.launched == [] and any("allows 2 instance(s) at once" in c for c in late.conflicts)
+    assert live_instances(sim_pool) == 2
+    for job in Job.objects.filter(pk__in=[j.pk for j in second]):
+        assert job.state == JobState.PENDING
+    held = Job.objects.filter(pk__in=[int(j) for launch in plan_b.launches for j in launch.job_ids])
+    assert held and all(j.pending_reason_code == "OFFER_QUOTA" and "cloud-sim" in j.pending_reason for j in held)
+
+
+@requires_postgres
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_two_cycles_committing_launches_at_once_stay_under_the_cap(acme, sim_pool, monkeypatch):
+    """Real concurrency on PostgreSQL: both commits count the pool's instances at the same moment
+    unless the pool row lock serialises them. The counting is widened to a rendezvous so that,
+    without the lock, both would certainly count 0 and launch 2 each."""
+    import threading
+
+    from django.db import close_old_connections, connection
+
+    from broker.scheduler.services import plan_commit
+
+    for round_ in range(3):
+        CloudInstance.objects.filter(pool=sim_pool).delete()
+        first, second = burst_jobs(acme, 4, f"a{round_}-"), burst_jobs(acme, 4, f"b{round_}-")
+        (plan_a, plan_b), index = stale_plans(acme, first, second)
+        rendezvous = threading.Barrier(2)
+        counted = provisioning.pool_instances_capped
+
+        def count_then_meet(*, pool):
+            n = counted(pool=pool)
+            try:
+                rendezvous.wait(timeout=2)  # with the lock held, the other commit never gets here in time
+            except threading.BrokenBarrierError:
+                pass
+            return n
+
+        monkeypatch.setattr(provisioning, "pool_instances_capped", count_then_meet)
+        start = threading.Barrier(2)
+        launched: list[int] = []
+
+        def commit(plan) -> None:
+            close_old_connections()
+            try:
+                start.wait()
+                launched.extend(plan_commit(tenant=acme.tenant, plan=plan, offer_index=index).launched)
+            finally:
+                connection.close()
+
+        threads = [threading.Thread(target=commit, args=(p,)) for p in (plan_a, plan_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        monkeypatch.undo()
+        assert len(launched) == 2 and live_instances(sim_pool) == 2, f"round {round_}: {launched}"
+        Job.objects.filter(pk__in=[j.pk for j in first + second]).update(state=JobState.CANCELLED)
