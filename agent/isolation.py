@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import pwd
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,8 +117,13 @@ def check_work_dir(work_dir: Path, state_dir: Path) -> None:
 
 
 def prepare_work_root(work_dir: Path, user: JobUser) -> None:
-    """Create the work root, the agent's own, 0711 (0700 when jobs share the agent's user anyway)."""
+    """Create the work root, the agent's own, 0711 (0700 when jobs share the agent's user anyway).
+    Refuses a folder that is someone else's or shared (`--work-dir /tmp` must not chmod /tmp)."""
     work_dir.mkdir(parents=True, exist_ok=True)
+    st = os.stat(work_dir)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o002:
+        raise JobUserError(f"--work-dir {work_dir}: must be a folder of the agent's own, not "
+                           f"{'world-writable' if st.st_mode & 0o002 else f'owned by uid {st.st_uid}'}")
     os.chmod(work_dir, 0o711 if user.separate else 0o700)
     if user.separate and not can_reach(work_dir, user, need=os.X_OK):
         log.warning("job user %s cannot reach the work dir %s (a parent directory is closed to it): jobs can "
@@ -127,15 +131,19 @@ def prepare_work_root(work_dir: Path, user: JobUser) -> None:
 
 
 def make_job_dir(path: Path, user: JobUser) -> None:
-    """The job's own folder: owned by the job user, mode 0700. Refuses a symlink in its place."""
+    """The job's own folder: owned by the job user, mode 0700. Raises OSError for anything but a
+    real directory in its place (O_NOFOLLOW: a link is refused, never followed)."""
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            raise
-    if user.separate:
-        os.chown(path, user.uid, user.gid, follow_symlinks=False)
-    os.chmod(path, 0o700, follow_symlinks=False)
+        pass
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if user.separate:
+            os.fchown(fd, user.uid, user.gid)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 def job_home(user: JobUser, workdir: Path) -> str:

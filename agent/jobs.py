@@ -207,6 +207,12 @@ class JobRunner:
         self._clock = clock
         self._running: dict[str, RunningJob] = {}
 
+    def prepare(self) -> None:
+        """Create the work root (raises ValueError for one that is not the agent's own)."""
+        if not self._root_ready:
+            prepare_work_root(self.jobs_dir, self.job_user)
+            self._root_ready = True
+
     @property
     def running(self) -> Mapping[str, RunningJob]:
         return self._running
@@ -215,11 +221,12 @@ class JobRunner:
         return {i for job in self._running.values() for i in job.assignment.gpu_indices}
 
     def start(self, assignment: Assignment, *, node_id: str | None) -> RunningJob:
-        if not self._root_ready:
-            prepare_work_root(self.jobs_dir, self.job_user)
-            self._root_ready = True
+        self.prepare()
         workdir = self.jobs_dir / _safe_name(assignment.id)
-        make_job_dir(workdir, self.job_user)
+        try:
+            make_job_dir(workdir, self.job_user)
+        except OSError as err:
+            raise JobStartError(f"cannot make the job's work dir {workdir}: {err.strerror or err}") from None
         env = job_environment(assignment, workdir=workdir, node_id=node_id, base_env=self.base_env,
                               user=self.job_user)
         argv = ["/bin/sh", "-c", assignment.command] if isinstance(assignment.command, str) else list(assignment.command)

@@ -85,6 +85,7 @@ class Agent:
         self.job_user = resolve_job_user(config.job_user)
         self.runner = JobRunner(work_dir, base_env=base_env, stop_grace_s=config.stop_grace_s, clock=clock,
                                 job_user=self.job_user)
+        self.runner.prepare()
         self.backoff = Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s, rng=rng)
         # Stop request from a signal handler: a flag plus a byte down a pipe that the loop's select()
         # waits on. A threading.Event cannot be used there: the handler runs on the main thread,

@@ -184,6 +184,7 @@ def test_an_agent_running_jobs_as_itself_says_so(open_dir, broker):
     (["--job-user", "root"], "would give jobs the agent's secrets"),
     (["--job-user", "no-such-user-here"], "no such user"),
     (["--delete-join-token-file"], "needs --join-token-file"),
+    (["--work-dir", "/tmp"], "must be a folder of the agent's own, not world-writable"),
 ])
 def test_unsafe_or_impossible_settings_are_usage_errors(open_dir, capsys, args, message):
     state = open_dir / "state"
