@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -154,7 +154,12 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
         node.save()
         # Every (re-)registration starts a new epoch: answers from before it are stale.
         Node.objects.filter(pk=node.pk).update(epoch=F("epoch") + 1)
-        _upsert_gpus(node, data["gpus"], now)
+        try:
+            with transaction.atomic():  # a savepoint: the database's answer to a race is a 409 too
+                _upsert_gpus(node, data["gpus"], now)
+        except IntegrityError:
+            raise GpuTaken("A GPU UUID of this node is already registered to another node; remove that node "
+                           "before registering the GPU here.", field="gpus") from None
         NodeAgent.objects.update_or_create(node=node, defaults={
             "agent_key": data["agent_key"], "backend": data.get("backend") or "",
             "driver_version": data.get("driver_version") or "",
@@ -183,6 +188,9 @@ def _refuse_duplicate_gpus(*, pool: Pool, name: str, gpus: list[dict[str, Any]])
 
 
 def _upsert_gpus(node: Node, gpus: list[dict[str, Any]], now: datetime) -> None:
+    # UUIDs are unique across all GPUs: forget this node's first, so GPUs renumbered between two
+    # registrations (index 0 now has index 1's UUID) never collide with their own old rows.
+    Gpu.objects.filter(node=node).exclude(uuid="").update(uuid="")
     existing = {g.index: g for g in Gpu.objects.filter(node=node)}
     for info in gpus:
         model_name = info.get("model") or ""

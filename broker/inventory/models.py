@@ -138,7 +138,12 @@ class Gpu(models.Model):
     last_seen_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["node", "index"], name="uniq_gpu_index")]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "index"], name="uniq_gpu_index"),
+            # A UUID names one physical GPU: on two nodes it was copied (a leaked join token) or the
+            # GPU moved without its old node being cleaned up. Empty means "not known".
+            models.UniqueConstraint(fields=["uuid"], condition=~models.Q(uuid=""), name="uniq_gpu_uuid"),
+        ]
         ordering = ["node_id", "index"]
 
     def __str__(self) -> str:

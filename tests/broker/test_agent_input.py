@@ -18,7 +18,7 @@ from broker.inventory.services import pool_join_token_issue
 from broker.jobs.models import JobEvent
 from broker.jobs.states import JobState
 
-from .conftest import is_postgres
+from .conftest import is_postgres, requires_postgres
 from .test_agent_api import API, agent_client, place, reading, register_body, report
 
 # -- what the real agent sends -----------------------------------------------------------------
@@ -320,3 +320,56 @@ def test_node_calls_are_limited_per_node(acme, join_token):
     node = Node.objects.get(pk=first["node_id"])
     _, allocation = place(acme, node)
     assert [report(first["node_token"], allocation, "running").status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_gpus_renumbered_between_registrations_keep_their_uuids(acme, join_token):
+    body = register_body(join_token)
+    node_id = register(body).json()["node_id"]
+    body["gpus"][0]["uuid"], body["gpus"][1]["uuid"] = body["gpus"][1]["uuid"], body["gpus"][0]["uuid"]
+    assert register(body).status_code == 200
+    uuids = dict(Gpu.objects.filter(node_id=node_id).values_list("index", "uuid"))
+    assert [uuids[0], uuids[1]] == [body["gpus"][0]["uuid"], body["gpus"][1]["uuid"]]
+
+
+@requires_postgres
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_one_gpu_uuid_registered_by_two_nodes_at_once_lands_on_one(acme, globex, gpu_models):
+    """The check before the insert can race; the database's unique index answers the loser 409."""
+    import threading
+
+    from django.db import connection
+
+    tokens_ = [pool_join_token_issue(pool=acme.pool), pool_join_token_issue(pool=globex.pool)]
+    shared = "GPU-" + "ab" * 18
+    barrier = threading.Barrier(2)
+    codes: list[int] = []
+
+    def attempt(i: int) -> None:
+        try:
+            body = register_body(tokens_[i], name=f"racer-{i}", agent_key=f"key-racer-{i:04d}")
+            body["gpus"][0]["uuid"] = shared
+            barrier.wait()
+            codes.append(register(body).status_code)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(codes) == [201, 409]
+    assert Gpu.objects.filter(uuid=shared).count() == 1
+    assert Node.objects.filter(name__startswith="racer-").count() == 1
+
+
+def test_the_database_refuses_a_uuid_twice_even_when_the_check_is_raced(acme, globex, registered, monkeypatch):
+    # What a registration that passed the check just before another one committed meets.
+    monkeypatch.setattr("broker.agents.services._refuse_duplicate_gpus", lambda **kwargs: None)
+    node, _ = registered
+    body = register_body(pool_join_token_issue(pool=globex.pool), name="copycat", agent_key="key-copycat")
+    body["gpus"][0]["uuid"] = node.gpus.get(index=3).uuid
+    resp = register(body)
+    assert resp.status_code == 409 and "gpus" in resp.json()
+    assert not Node.objects.filter(name="copycat").exists()
