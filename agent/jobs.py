@@ -34,7 +34,7 @@ from agent.procs import catches_signal
 log = logging.getLogger(__name__)
 
 CHECKPOINT_REQUEST_FILE = "whalezen-checkpoint-request.json"
-JOBSHIM = Path(__file__).with_name("jobshim.py")
+JOBSHIM = Path(__file__).resolve().with_name("jobshim.py")  # absolute: jobs start in their own cwd
 SHIM_START_TIMEOUT_S = 30.0  # a Python start on a loaded node; only a wedged machine takes longer
 ACTIONS = ("start", "stop", "checkpoint")
 # Set by the agent; the assignment's env cannot override them.
