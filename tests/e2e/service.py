@@ -1,0 +1,144 @@
+"""Helpers for the end-to-end tests: start the service as real processes, talk HTTP to it, and find
+every process that belongs to one test's var dir (to prove nothing outlives a stop)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_env(var_dir: Path, **extra: str) -> dict[str, str]:
+    """The embedded defaults (SQLite, file-system queue) in a var dir of the test's own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(WHALEZEN_VAR_DIR=str(var_dir), WHALEZEN_CYCLE_SECONDS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def call(url: str, token: str, body: dict | None = None) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Authorization": f"Bearer {token}",
+                                              "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def health(base: str) -> tuple[int, dict] | None:
+    """(status, body) of /healthz, or None while nothing answers."""
+    try:
+        with urllib.request.urlopen(f"{base}/healthz", timeout=3) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+    except OSError:
+        return None
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except OSError as exc:  # the service is restarting a part: ask again
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last: {last}")
+
+
+def processes_of(var_dir: Path, *markers: str) -> list[str]:
+    """Live processes started for this var dir (its path in their environment or command line), or
+    whose command line holds one of `markers` (jobs run with a clean environment)."""
+    needles = [str(var_dir).encode(), *(m.encode() for m in markers)]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            if stat[stat.rfind(")") + 2:].split()[0] in ("Z", "X"):
+                continue
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if any(n in cmdline or n in environ for n in needles):
+            args = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{proc.name}: {args[:200]}")
+    return found
+
+
+def shared_tmp_dir() -> Path:
+    """A directory jobs can write to: they run as an unprivileged user, and pytest's tmp dirs are 0700."""
+    path = Path(tempfile.mkdtemp(prefix="wz-e2e-", dir="/tmp"))
+    path.chmod(0o1777)
+    return path
+
+
+class Service:
+    """One `make run` (or `manage.py serve`) in its own process group, output in a file."""
+
+    def __init__(self, var_dir: Path, port: int, env: dict[str, str], argv: list[str] | None = None):
+        self.var_dir, self.port, self.env = var_dir, port, env
+        self.base = f"http://127.0.0.1:{port}"
+        self.argv = argv or ["make", "-o", ".venv/.installed-dev", "run", f"PORT={port}", "HOST=127.0.0.1",
+                             f"PY={sys.executable}"]
+        self.output = var_dir.parent / f"service-{port}-{time.monotonic_ns()}.out"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "Service":
+        self.started_at = time.time()
+        with self.output.open("wb") as out:
+            # Its own session, as a terminal or systemd gives it: the group is what a stop signals.
+            self.process = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: "WhaleZen is up" in self.log() or self.process.poll() is not None, 240, "the service to start")
+        assert self.process.poll() is None, self.log()
+        return self
+
+    def log(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def token(self, slug: str) -> str:
+        return next(line.split()[2] for line in self.log().splitlines() if line.startswith(f"TOKEN {slug} "))
+
+    def children(self) -> dict[str, int]:
+        """name -> pid of web, worker and beat, from serve's own state file."""
+        rows = json.loads((self.var_dir / "serve-children.json").read_text())
+        return {row["name"]: row["pid"] for row in rows}
+
+    def serve_pid(self) -> int:
+        out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(self.process.pid)], capture_output=True,
+                             text=True).stdout
+        return next(int(line.split()[0]) for line in out.splitlines() if "manage.py serve" in line)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> int:
+        """Signal the whole group (like Ctrl-C in a terminal or systemd's stop) and wait for it."""
+        assert self.process is not None
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            raise AssertionError(f"the service did not stop within {timeout:g} s:\n{self.log()[-3000:]}")
