@@ -73,6 +73,19 @@ class CloudSimulation:
 
 CommandFactory = Callable[[ProvisionRequest, str, LocalShape], Sequence[str]]
 
+# What a local agent inherits from the broker's environment when no `env` is given: what it needs
+# to run Python and find the agent, its own WHALEZEN_AGENT_* settings, nothing else. The broker's
+# environment holds its secrets (DJANGO_SECRET_KEY, DATABASE_URL, cloud credentials), and an
+# agent hands its environment on to the jobs it runs.
+AGENT_ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
+                             "VIRTUAL_ENV", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
+AGENT_ENV_PREFIXES = ("LC_", "WHALEZEN_AGENT_")
+
+
+def agent_environment(parent: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in parent.items() if k in AGENT_ENV_NAMES or k.startswith(AGENT_ENV_PREFIXES)}
+
+
 # The agent's compatibility variable for the join token. The local provider no longer uses it: a
 # process's initial environment stays readable in /proc/<pid>/environ for its whole life.
 JOIN_TOKEN_ENV = "WHALEZEN_JOIN_TOKEN"
@@ -240,7 +253,8 @@ class LocalProvider(Provider):
                                     provider="local", code="SimulatedInsufficientCapacity")
             instance_id = f"local-{uuid.uuid4().hex[:12]}"
             name = request.node_name or instance_id
-            env = {k: v for k, v in (self.env if self.env is not None else os.environ).items() if k != JOIN_TOKEN_ENV}
+            env = dict(self.env) if self.env is not None else agent_environment(os.environ)
+            env.pop(JOIN_TOKEN_ENV, None)
             process = processes.spawn(
                 self.command_factory(request, name, shape),
                 log_path=self.state_dir / "logs" / f"{instance_id}.log",

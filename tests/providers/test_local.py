@@ -20,8 +20,8 @@ from tests.providers.conftest import BROKER_ID, make_request
 # Stands in for `python -m agent ...`: records its argv, its stdin's first line and the token
 # variable of its environment, then idles until killed.
 STAND_IN = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps("
-            "{'argv': sys.argv[2:], 'stdin': sys.stdin.readline(), 'env_token': os.environ.get('WHALEZEN_JOIN_TOKEN')}"
-            ")); time.sleep(300)")
+            "{'argv': sys.argv[2:], 'stdin': sys.stdin.readline(), 'env_token': os.environ.get('WHALEZEN_JOIN_TOKEN'),"
+            " 'env': sorted(os.environ)})); time.sleep(300)")
 
 
 def stand_in(argv_dir: Path):
@@ -68,6 +68,10 @@ def wait_for(path: Path) -> str:
 
 def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("WHALEZEN_JOIN_TOKEN", "a-token-the-broker-process-happens-to-have")
+    # The broker's own secrets: an agent passes its environment on to jobs, so it must not get them.
+    monkeypatch.setenv("DJANGO_SECRET_KEY", "broker-secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "cloud-secret")
+    monkeypatch.setenv("WHALEZEN_AGENT_LOG_LEVEL", "DEBUG")
     provider = make_local()
     request = local_request()
     info = provider.provision(request)
@@ -79,6 +83,8 @@ def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path, monke
     # On stdin: neither `ps` (argv) nor /proc/<pid>/environ, which a job could read, holds it.
     assert started["stdin"] == "join-secret-123\n"
     assert started["env_token"] is None
+    assert "PATH" in started["env"] and "WHALEZEN_AGENT_LOG_LEVEL" in started["env"]
+    assert not {"DJANGO_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"} & set(started["env"])
     assert is_alive(*pid_of(provider, info.ref.instance_id))
 
 
