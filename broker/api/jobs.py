@@ -129,6 +129,8 @@ class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMix
     filterset_class = JobFilter
     lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
     schema = WhaleZenAutoSchema()
+    # Members cancel (and later move or checkpoint) only their own jobs: IsTenantMember.has_object_permission.
+    owner_field = "owner"
 
     def get_throttles(self):
         if self.action == "create":

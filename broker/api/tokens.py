@@ -50,6 +50,7 @@ class TokenViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMode
     serializer_class = TokenSerializer
     schema = WhaleZenAutoSchema()
     lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
+    owner_field = "user"  # members revoke only their own tokens (they do not even see the others')
 
     def scope(self, queryset):
         queryset = super().scope(queryset)
