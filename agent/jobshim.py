@@ -35,10 +35,13 @@ class _AgentGone(Exception):
     pass
 
 
-def _set_parent_death_signal(sig: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+def _set_parent_death_signal(sig: int) -> bool:
+    """PR_SET_PDEATHSIG (Linux). False where there is no prctl: the shim then polls its parent."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _parse(argv: list[str]) -> tuple[int, int, float, int | None, int | None, list[str]]:
@@ -99,9 +102,21 @@ def _orphaned(child: int, grace_s: float) -> None:
     os.killpg(0, signal.SIGKILL)  # grandchildren too; this ends the shim as well
 
 
+def _wait(child: int, parent: int, *, poll_parent: bool) -> int:
+    if not poll_parent:
+        return os.waitpid(child, 0)[1]  # PDEATHSIG interrupts this if the agent dies
+    while True:  # no PDEATHSIG on this system: look for the agent twice a second
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            return status
+        if os.getppid() != parent:
+            raise _AgentGone()
+        time.sleep(0.5)
+
+
 def main(argv: list[str]) -> None:
     parent, status_fd, grace_s, uid, gid, command = _parse(argv)
-    _set_parent_death_signal(signal.SIGTERM)
+    armed = _set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent:  # the agent died before PDEATHSIG was armed
         os._exit(EXIT_ORPHANED)
 
@@ -134,7 +149,7 @@ def main(argv: list[str]) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
         if os.getppid() != parent:
             raise _AgentGone()
-        _, status = os.waitpid(child, 0)
+        status = _wait(child, parent, poll_parent=not armed)
     except _AgentGone:
         _orphaned(child, grace_s)
         os._exit(EXIT_ORPHANED)
