@@ -144,6 +144,34 @@ def test_node_is_marked_lost_after_missed_heartbeats_and_its_job_fenced(live_ser
         os.kill(pid, 0)
 
 
+def test_a_reused_instance_token_gets_no_real_agent_back_in(live_server, acme, gpu_models, tmp_path, settings):
+    """Issue 8's attack with real agents: the instance's agent goes silent (SIGKILLed), its node is
+    marked LOST; a new agent with the stolen one-time token, and the old agent coming back, are
+    both refused for good."""
+    from .test_agent_api import cloud_instance
+
+    settings.WHALEZEN_BROKER_PROBE_URL = f"{live_server.url}/healthz"  # the web server is up; the agent is not
+    instance, token = cloud_instance(acme)
+    clock = FakeClock()
+    victim = make_agent(live_server.url, token, tmp_path, clock, name="victim", spec="2xA100-80GB-SXM")
+    victim.step()
+    node = Node.objects.get(pk=victim.identity.node_id)
+    assert node.name == instance.node_name and node.state == NodeState.ONLINE
+    (lost,) = nodes_mark_lost(now=timezone.now() + timedelta(seconds=lost_after_seconds() + 1))
+    assert lost.pk == node.pk
+
+    attacker = make_agent(live_server.url, token, tmp_path, FakeClock(), name="attacker", spec="2xA100-80GB-SXM")
+    with pytest.raises(RegistrationRefused, match="HTTP 401"):
+        attacker.step()
+    # The old agent's next heartbeat is refused; it tries its join token, which is spent: it gives up.
+    clock.advance(5)
+    with pytest.raises(RegistrationRefused, match="HTTP 401"):
+        pump(victim, clock, lambda: False, what="the old agent to give up")
+    node.refresh_from_db()
+    assert node.state == NodeState.LOST and node.token_hash == ""
+    assert Node.objects.filter(pool=instance.pool).count() == 1
+
+
 def test_bad_join_token_is_refused(live_server, acme, join_token, tmp_path):
     agent = make_agent(live_server.url, "wzj_00000000_not-the-token", tmp_path, FakeClock())
     with pytest.raises(RegistrationRefused, match="HTTP 401: Invalid join token"):
