@@ -234,14 +234,13 @@ def node_given_up(node: Node) -> str | None:
     """
     from broker.provisioning.services import INSTANCE_LIVE_STATES
 
-    instance = CloudInstance.objects.filter(node=node).only("state").first()
-    if instance is None:
+    instance_state = CloudInstance.objects.filter(node=node).values_list("state", flat=True).first()
+    if instance_state is None:
         return None
-    if instance.state not in INSTANCE_LIVE_STATES:
-        return f"its cloud instance is {instance.state}"
-    state = Node.objects.filter(pk=node.pk).values_list("state", flat=True).first()
-    if state in (NodeState.LOST, NodeState.OFFLINE):
-        return f"the node is {state}"
+    if instance_state not in INSTANCE_LIVE_STATES:
+        return f"its cloud instance is {instance_state}"
+    if node.state in (NodeState.LOST, NodeState.OFFLINE):  # callers pass a row they just read
+        return f"the node is {node.state}"
     return None
 
 
