@@ -135,3 +135,81 @@ def test_a_broker_outage_longer_than_the_lost_limit_restarts_no_job(acme, tmp_pa
     assert Allocation.objects.filter(job=job).count() == 1
     assert JobEvent.objects.filter(job=job, kind="agent", reason_code="AGENT_RUNNING").count() == 1
     assert len(starts.read_text().splitlines()) == 1, "the job's process started more than once"
+
+
+def copy_log_command(log: Path, seconds: int) -> list[str]:
+    """A job that notes each start and end of its process (pid, time) in `log`."""
+    return [sys.executable, "-c", (
+        "import os, signal, sys, time\n"
+        f"log = open({str(log)!r}, 'a')\n"
+        "def note(what):\n"
+        "    log.write(f'{what} {os.getpid()} {time.time()}\\n'); log.flush()\n"
+        "def bye(*_):\n"
+        "    note('end'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "note('start')\n"
+        f"time.sleep({seconds})\n"
+        "note('end')\n")]
+
+
+@with_real_services
+def test_a_job_from_a_lost_node_starts_elsewhere_only_after_its_old_copy_stopped(acme, tmp_path):
+    """The node's agent freezes (SIGSTOP: alive, unreachable) with its job running: the node is LOST
+    and the job placed on a second node, which gets no `start` until the first agent is back, has
+    stopped the old copy and said so. The two copies never overlap."""
+    for node in acme.nodes:
+        Node.objects.filter(pk=node.pk).update(state=NodeState.OFFLINE)
+    redis = PrivateRedis(tmp_path)
+    redis.start()
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": this_test_database_url(), "REDIS_URL": redis.url,
+           "WHALEZEN_QUEUE": f"fence-{os.getpid()}", "WHALEZEN_VAR_DIR": str(tmp_path), "PORT": str(port),
+           "WHALEZEN_PUBLIC_URL": f"http://127.0.0.1:{port}", "WHALEZEN_CYCLE_SECONDS": "1",
+           "WHALEZEN_AGENT_HEARTBEAT_SECONDS": "1", "WHALEZEN_NODE_LOST_AFTER_SECONDS": str(LOST_AFTER_S),
+           "WHALEZEN_LOST_SWEEP_SECONDS": "1", "WHALEZEN_FENCE_WAIT_SECONDS": "120"}
+    join = tmp_path / "join-token"
+    join.write_text(pool_join_token_issue(pool=acme.pool))
+    join.chmod(0o600)
+    copies = tmp_path / "copies.log"
+    job = submit(acme, name="fenced", resources={"gpus": 1}, command=copy_log_command(copies, 20))
+    broker = Broker(env, tmp_path, port)
+    agents: dict[str, subprocess.Popen] = {}
+
+    def start_agent(name: str) -> None:
+        agents[name] = start_group([sys.executable, "-m", "agent", "--server", f"http://127.0.0.1:{port}",
+                                    "--fake-gpus", "1xA100-80GB-SXM", "--name", name,
+                                    "--state-dir", str(tmp_path / name), "--join-token-file", str(join),
+                                    "--job-user", "self", "--stop-grace-seconds", "2"], env, tmp_path / f"{name}.log")
+
+    try:
+        broker.start(0)
+        start_agent("first")
+        wait_until(lambda: Job.objects.get(pk=job.pk).state == JobState.RUNNING, 60, "the job to run")
+        start_agent("second")
+        wait_until(lambda: Node.objects.filter(name="second", state=NodeState.ONLINE).exists(), 30,
+                   "the second node to register")
+        os.kill(agents["first"].pid, signal.SIGSTOP)  # the agent only: its job process runs on
+        wait_until(lambda: Node.objects.get(name="first").state == NodeState.LOST, 30, "the first node to be LOST")
+        wait_until(lambda: Allocation.objects.filter(job=job, active=True, node__name="second").exists(), 30,
+                   "the job to be placed on the second node")
+        time.sleep(6)  # the second node's agent polls its assignments every second meanwhile
+        assert len(copies.read_text().splitlines()) == 1, "started on the second node while the first copy ran"
+        os.kill(agents["first"].pid, signal.SIGCONT)
+        wait_until(lambda: Job.objects.get(pk=job.pk).state in (JobState.SUCCEEDED, JobState.FAILED), 90,
+                   "the job to finish on the second node")
+    finally:
+        for process in agents.values():
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
+            kill_group(process, signal.SIGTERM)
+        broker.kill()
+        redis.stop()
+        connection.close()
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    notes = [line.split() for line in copies.read_text().splitlines()]
+    assert [n[0] for n in notes] == ["start", "end", "start", "end"], notes
+    first_end, second_start = float(notes[1][2]), float(notes[2][2])
+    assert notes[0][1] == notes[1][1] != notes[2][1] and first_end <= second_start
+    second = Allocation.objects.get(job=job, node__name="second")
+    assert second.agent_report.state == "exited"
