@@ -72,6 +72,15 @@ def alive(pid: int) -> bool:
     return fields[0] not in ("Z", "X")
 
 
+def running_record(state_dir: Path, assignment_id: str) -> dict | None:
+    """The agent's record of a running job (its process group), once it has saved it."""
+    try:
+        record = json.loads((state_dir / "state.json").read_text())["jobs"].get(assignment_id)
+    except (OSError, ValueError, KeyError):
+        return None
+    return record if record and record.get("state") == "running" and record.get("pid") else None
+
+
 def start(command: str, *, job_id: str = "j1") -> dict:
     return {"id": "a1", "job_id": job_id, "epoch": 1, "action": "start", "gpu_indices": [0],
             "command": command, "env": {}}
@@ -204,7 +213,7 @@ def test_jobs_die_with_their_agent(open_dir, broker):
     try:
         wait_for(lambda: (workdir / "child.pid").exists() and (workdir / "child.pid").read_text().strip(),
                  "the job and its child")
-        record = json.loads((state_dir / "state.json").read_text())["jobs"]["a1"]
+        record = wait_for(lambda: running_record(state_dir, "a1"), "the agent to record the running job")
         shim, main, child = record["pid"], int((workdir / "main.pid").read_text()), int((workdir / "child.pid").read_text())
         assert all(alive(pid) for pid in (shim, main, child))
         proc.kill()
@@ -229,7 +238,7 @@ def test_a_restarted_agent_stops_what_its_predecessor_left_before_calling_the_br
     try:
         wait_for(lambda: (workdir / "child.pid").exists() and (workdir / "child.pid").read_text().strip(),
                  "the job and its child")
-        record = json.loads((state_dir / "state.json").read_text())["jobs"]["a1"]
+        record = wait_for(lambda: running_record(state_dir, "a1"), "the agent to record the running job")
         shim, child = record["pid"], int((workdir / "child.pid").read_text())
         first.kill()
         first.wait(timeout=10)
