@@ -13,6 +13,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from broker.api.excerpts import quoted
 from broker.api.fields import (StrictBooleanField, StrictCharField, StrictFloatField, StrictIntegerField,
                                StrictSerializer)
 from broker.inventory.labels import MAX_LABELS, label_key_problem, label_value_problem
@@ -27,13 +28,6 @@ JOB_ISOLATION = ["separate-user", "shared-user"]
 # a newer NVML may return.
 _TOPOLOGY_WORD = re.compile(r"[A-Z0-9_]{1,32}")
 _GPU_INDEX_KEY = re.compile(r"[0-9]{1,2}")  # ASCII digits only: '²'.isdigit() is True
-
-
-def _excerpt(value: Any) -> str:
-    """A short, ASCII-safe quote of a bad value: never the whole value, never a character that
-    cannot be rendered (a lone surrogate in an error would break the error response itself)."""
-    text = value if isinstance(value, str) else repr(value)
-    return ascii(text[:32]) + ("..." if len(text) > 32 else "")
 
 
 def _int(required: bool = True, **kwargs: Any) -> StrictIntegerField:
@@ -81,7 +75,7 @@ class TopologyWordField(StrictCharField):
     def to_internal_value(self, data: Any) -> str:
         value = super().to_internal_value(data)
         if not _TOPOLOGY_WORD.fullmatch(value):
-            raise serializers.ValidationError(f"Not a topology name: {_excerpt(value)}.")
+            raise serializers.ValidationError(f"Not a topology name: {quoted(value)}.")
         return value
 
 
@@ -159,7 +153,7 @@ class LabelsField(serializers.DictField):
                 why = label_value_problem(value)
                 why = None if why is None else f"value {why}"
             if why is not None:
-                problems.append(f"Label {_excerpt(key)}: {why}.")
+                problems.append(f"Label {quoted(key)}: {why}.")
         if problems:
             raise serializers.ValidationError(problems[:8])
         return dict(data)
@@ -257,7 +251,7 @@ class FailedGpusField(serializers.DictField):
         for key in data:
             if not isinstance(key, str) or not _GPU_INDEX_KEY.fullmatch(key) or int(key) >= MAX_GPUS:
                 raise serializers.ValidationError(f"Keys must be GPU indices (0 to {MAX_GPUS - 1}), "
-                                                  f"not {_excerpt(key)}.")
+                                                  f"not {quoted(key)}.")
         return super().to_internal_value(data)
 
 
