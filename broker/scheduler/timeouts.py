@@ -26,7 +26,9 @@ def stalled_starts_requeue() -> list[int]:
     cutoff = timezone.now() - timedelta(seconds=settings.WHALEZEN_START_TIMEOUT_SECONDS)
     requeued = []
     for job in Job.objects.filter(state__in=[JobState.PLACED, JobState.STARTING], updated_at__lt=cutoff):
-        if job_requeue(job=job, reason_code="START_TIMEOUT",
+        # The node may have started it without managing to say so: its next start waits until that
+        # is ruled out (broker.agents.fencing), like a job requeued from a LOST node.
+        if job_requeue(job=job, reason_code="START_TIMEOUT", stop_unconfirmed=True,
                        message=f"The node did not start the job within {settings.WHALEZEN_START_TIMEOUT_SECONDS} s; "
                                "placing it again."):
             requeued.append(job.pk)

@@ -16,7 +16,7 @@ from rest_framework.test import APIClient
 from broker.agents.fencing import fence_wait_seconds
 from broker.agents.services import lost_after_seconds, nodes_mark_lost
 from broker.inventory.models import Node, NodeState
-from broker.jobs.models import Allocation
+from broker.jobs.models import Allocation, Job
 from broker.jobs.services import GpuRequest, allocation_commit, job_requeue
 from broker.jobs.states import JobState
 from broker.scheduler.outage import agent_retry_cap_seconds
@@ -217,3 +217,19 @@ def test_an_ordinary_requeue_does_not_hold_the_next_start(acme, join_token, web_
     job.refresh_from_db()
     allocation_commit(job=job, requests=[GpuRequest(node=second, gpu_indices=(0,))])
     assert starts(second_token) == [str(job.pk)]
+
+
+def test_after_a_start_timeout_the_next_start_waits_for_the_first_nodes_word(acme, join_token, web_up, settings):
+    from broker.scheduler.timeouts import stalled_starts_requeue
+
+    slow, slow_token = register(join_token, "slow", "key-slow-0000")
+    other, other_token = register(join_token, "other", "key-other-000")
+    job, allocation = place(acme, slow)
+    Job.objects.filter(pk=job.pk).update(
+        updated_at=timezone.now() - timedelta(seconds=settings.WHALEZEN_START_TIMEOUT_SECONDS + 1))
+    assert stalled_starts_requeue() == [job.pk]
+    job.refresh_from_db()
+    allocation_commit(job=job, requests=[GpuRequest(node=other, gpu_indices=(0,))])
+    assert starts(other_token) == []
+    heartbeat(slow_token)  # the slow node says what it runs: not this job
+    assert starts(other_token) == [str(job.pk)]

@@ -109,6 +109,8 @@ def test_a_job_its_node_never_starts_is_placed_again(acme, settings):
     job.refresh_from_db()
     assert job.state == JobState.PENDING and job.pending_reason_code == "START_TIMEOUT"
     assert not job.allocations.filter(active=True).exists(), "its GPUs were released"
+    # ...but not forgotten: the node may have started it after all (broker.agents.fencing).
+    assert job.allocations.get().stop_unconfirmed
 
 
 def test_the_snapshot_marks_cloud_instances_as_rented_and_owned_nodes_not(acme, gpu_models):
