@@ -157,7 +157,11 @@ class LocalProvider(Provider):
         self._clock = clock
         self._rng = random.Random(simulation.seed)
         self._children: dict[int, subprocess.Popen[bytes]] = {}
-        (self.state_dir / "instances").mkdir(parents=True, exist_ok=True)
+        # The broker's own records and the agents' logs: closed to the jobs that run on this machine
+        # (as another user). `agents/` stays traversable: job work dirs live beside the agents' state.
+        for private in ("instances", "logs"):
+            (self.state_dir / private).mkdir(parents=True, exist_ok=True)
+            os.chmod(self.state_dir / private, 0o700)
 
     # -- state files ---------------------------------------------------------------------
     @contextmanager
