@@ -68,7 +68,28 @@ def processes_of(var_dir: Path, *markers: str) -> list[str]:
     """Live processes started for this var dir (its path in their environment or command line), or
     whose command line holds one of `markers` (jobs run with a clean environment)."""
     needles = [str(var_dir).encode(), *(m.encode() for m in markers)]
-    found = []
+    return [f"{pid}: {' '.join(argv)[:200]}" for pid, argv, environ in _processes()
+            if any(n in " ".join(argv).encode() or n in environ for n in needles)]
+
+
+def kill_leftovers(var_dir: Path, *markers: str) -> None:
+    """Safety net after a failed test: SIGKILL the process groups of whatever `processes_of` finds,
+    so one failure does not leave agents running into the next test."""
+    for entry in processes_of(var_dir, *markers):
+        try:
+            pgid = os.getpgid(int(entry.split(":", 1)[0]))
+            if pgid != os.getpgrp():
+                os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def commands_with(marker: str) -> list[list[str]]:
+    """argv of every live process whose command line holds `marker`."""
+    return [argv for _, argv, _ in _processes() if any(marker in arg for arg in argv)]
+
+
+def _processes():
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
@@ -76,14 +97,11 @@ def processes_of(var_dir: Path, *markers: str) -> list[str]:
             stat = (proc / "stat").read_text()
             if stat[stat.rfind(")") + 2:].split()[0] in ("Z", "X"):
                 continue
-            cmdline = (proc / "cmdline").read_bytes()
+            argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
             environ = (proc / "environ").read_bytes()
         except OSError:
             continue
-        if any(n in cmdline or n in environ for n in needles):
-            args = cmdline.replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{proc.name}: {args[:200]}")
-    return found
+        yield int(proc.name), argv, environ
 
 
 def shared_tmp_dir() -> Path:

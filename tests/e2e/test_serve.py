@@ -1,97 +1,120 @@
-"""`make run`'s service, end to end: web + worker + demo agents as real processes; a job submitted
-over HTTP runs on a simulated GPU node with the right CUDA_VISIBLE_DEVICES and succeeds; stopping the
-service leaves no process behind."""
+"""`make run` end to end, started and stopped as a user does, three times in one var dir:
+
+1. `make run`; a job runs on a demo node; SIGTERM to the whole group while busy -> no process left.
+2. `make run` again: the same token works, the demo nodes are ONLINE with fresh heartbeats, a T4 job
+   runs on an on-prem T4 node and sees exactly its GPUs; an L4 job (only the simulated cloud has L4)
+   runs on a cloud-sim instance; then `serve` is SIGKILLed, and its agents outlive it.
+3. `make run` again: it stops the previous run's demo agents, keeps the cloud-sim instance whose
+   record is live (its job runs on, once), and after SIGTERM no process of any run is left.
+"""
 from __future__ import annotations
 
-import json
 import os
+import re
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
+from datetime import datetime
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from .service import Service, call, commands_with, free_port, kill_leftovers, processes_of, service_env, shared_tmp_dir, wait_for
+
+ACME_DEMO_NODES = {"acme-a100-0", "acme-a100-1", "acme-t4-0", "acme-t4-1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def jobs_url(svc: Service) -> str:
+    return f"{svc.base}/api/v1/jobs/"
 
 
-def call(url: str, token: str, body: dict | None = None) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Authorization": f"Bearer {token}",
-                                              "Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        return json.loads(resp.read())
+def job(svc: Service, token: str, job_id: int) -> dict:
+    return call(f"{jobs_url(svc)}{job_id}/", token)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last: {last}")
+def events(svc: Service, token: str, job_id: int, code: str) -> list[dict]:
+    return [e for e in call(f"{jobs_url(svc)}{job_id}/events/", token)["results"] if e["reason_code"] == code]
 
 
-def processes_mentioning(text: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if text in line and "ps -eo" not in line]
+def demo_nodes_online(svc: Service, token: str) -> None:
+    """Every acme demo node ONLINE with a heartbeat from this run's agents."""
+    def fresh() -> set[str]:
+        nodes = call(f"{svc.base}/api/v1/nodes/", token)["results"]
+        return {n["name"] for n in nodes if n["state"] == "ONLINE" and n["last_heartbeat_at"]
+                and datetime.fromisoformat(n["last_heartbeat_at"].replace("Z", "+00:00")).timestamp() > svc.started_at}
+
+    wait_for(lambda: fresh() >= ACME_DEMO_NODES, 120, "the demo nodes to heartbeat")
+
+
+def wait_state(svc: Service, token: str, job_id: int, states: set[str], timeout: float = 120) -> dict:
+    return wait_for(lambda: (j := job(svc, token, job_id))["state"] in states and j, timeout,
+                    f"job {job_id} to reach {sorted(states)}")
 
 
 @pytest.mark.slow
-def test_service_runs_a_job_on_a_demo_node_and_stops_cleanly(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(WHALEZEN_VAR_DIR=str(tmp_path), WHALEZEN_CYCLE_SECONDS="1", PYTHONUNBUFFERED="1")
-    manage = [sys.executable, "manage.py"]
-    subprocess.run(manage + ["migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True, timeout=120)
-    seeded = subprocess.run(manage + ["seed_demo"], cwd=ROOT, env=env, check=True, timeout=120,
-                            capture_output=True, text=True).stdout
-    token = next(line.split()[2] for line in seeded.splitlines() if line.startswith("TOKEN acme "))
+def test_make_run_twice_and_after_a_sigkill_gives_the_same_working_demo(tmp_path):
+    var_dir = tmp_path / "var"
+    env = service_env(var_dir)
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    service = subprocess.Popen(manage + ["serve", "--port", str(port)], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marker = f"wz-e2e-{os.getpid()}-{port}"  # in every job's command line: found even without our env
+    services: list[Service] = []
     try:
-        nodes = wait_for(lambda: [n for n in call(f"{base}/api/v1/nodes/", token)["results"]
-                                  if n["last_heartbeat_at"]] if _up(base) else None, 120, "agents to heartbeat")
-        assert {n["name"] for n in nodes} <= {"acme-a100-0", "acme-a100-1", "acme-t4-0", "acme-t4-1"}
-        # Jobs run as an unprivileged user (agent/isolation.py), who can reach neither tmp_path nor
-        # this venv's Python: the job prints, and its output comes back in its exit event.
-        job = call(f"{base}/api/v1/jobs/", token, {
-            "name": "e2e", "resources": {"gpus": 2, "gpu_models": ["T4"]},
-            "command": ["/bin/sh", "-c", 'echo "gpus=$CUDA_VISIBLE_DEVICES"']})
-        final = wait_for(lambda: (j := call(f"{base}/api/v1/jobs/{job['id']}/", token))["state"]
-                         in ("SUCCEEDED", "FAILED") and j, 120, "the job to finish")
-        assert final["state"] == "SUCCEEDED", call(f"{base}/api/v1/jobs/{job['id']}/events/", token)
-        events = call(f"{base}/api/v1/jobs/{job['id']}/events/", token)["results"]
-        placed = next(e for e in events if e["reason_code"] == "PLACED")
-        gpus = placed["data"]["placements"][0]["gpus"]
-        exited = next(e for e in events if e["reason_code"] == "AGENT_EXITED")
-        assert exited["data"]["output_tail"] == f"gpus={','.join(map(str, gpus))}\n", "the job saw exactly its GPUs"
+        # 1. First run, stopped with SIGTERM while a job runs and more are queued.
+        first = Service(var_dir, port, env).start()
+        services.append(first)
+        token = first.token("acme")
+        demo_nodes_online(first, token)
+        long = call(jobs_url(first), token, {"name": "long", "resources": {"gpus": 1, "gpu_models": ["T4"]},
+                                             "command": ["/bin/sh", "-c", f"sleep 600; : {marker}"]})
+        wait_state(first, token, long["id"], {"RUNNING"})
+        for i in range(3):
+            call(jobs_url(first), token, {"name": f"queued-{i}", "resources": {"gpus": 1},
+                                          "command": ["/bin/sh", "-c", f"sleep 600; : {marker}"]})
+        first.stop(signal.SIGTERM)
+        assert not processes_of(var_dir, marker), "SIGTERM stopped every process of the first run"
+
+        # 2. Second run: the same demo, working.
+        second = Service(var_dir, port, env).start()
+        services.append(second)
+        assert second.token("acme") == token, "the demo token survives a restart"
+        assert "7 demo node agents started" in second.log()
+        demo_nodes_online(second, token)
+        # The first run's jobs were stopped with it and are placed again now; a T4 job submitted in
+        # the same cycle would be weighed together with them (and a 4xT4 cloud instance can win).
+        wait_for(lambda: not call(f"{jobs_url(second)}?state=PENDING", token)["results"], 120,
+                 "the first run's jobs to be placed again")
+        out_dir = shared_tmp_dir()  # the job runs as an unprivileged user: it cannot write to tmp_path
+        out_file = out_dir / "cuda-visible-devices.txt"
+        t4 = call(jobs_url(second), token, {
+            "name": "t4", "resources": {"gpus": 2, "gpu_models": ["T4"]},
+            "command": ["/bin/sh", "-c", f'printf %s "$CUDA_VISIBLE_DEVICES" > {out_file}']})
+        final = wait_state(second, token, t4["id"], {"SUCCEEDED", "FAILED"})
+        assert final["state"] == "SUCCEEDED", call(f"{jobs_url(second)}{t4['id']}/events/", token)
+        placed = events(second, token, t4["id"], "PLACED")
+        assert len(placed) == 1 and placed[0]["message"].startswith("Placed on acme-t4-"), placed
+        gpus = placed[0]["data"]["placements"][0]["gpus"]
+        assert out_file.read_text() == ",".join(map(str, gpus)), "the job saw exactly its GPUs"
+
+        l4 = call(jobs_url(second), token, {"name": "l4", "resources": {"gpus": 1, "gpu_models": ["L4"]},
+                                            "command": ["/bin/sh", "-c", f"sleep 600; : {marker}-l4"]})
+        wait_state(second, token, l4["id"], {"RUNNING"})
+        os.kill(second.serve_pid(), signal.SIGKILL)
+        second.process.wait(timeout=60)
+        assert processes_of(var_dir), "agents outlive a SIGKILLed serve: the next run must deal with them"
+
+        # 3. Third run: the leftovers are stopped or adopted; the job on the adopted instance runs on, once.
+        third = Service(var_dir, port, env).start()
+        services.append(third)
+        log = third.log()
+        assert log.count("left by a previous run") == 7, log
+        kept = [int(n) for n in re.findall(r"(\d+) running instance\(s\) kept", log)]
+        assert kept and kept[0] >= 1, log
+        demo_nodes_online(third, token)
+        assert job(third, token, l4["id"])["state"] == "RUNNING"
+        assert len(events(third, token, l4["id"], "PLACED")) == 1, "not placed again"
+        copies = [argv for argv in commands_with(f"{marker}-l4") if argv[0] == "/bin/sh"]
+        assert len(copies) == 1, f"exactly one copy of the job runs: {copies}"
+        third.stop(signal.SIGTERM)
+        assert not processes_of(var_dir, marker), "no process of any run is left"
     finally:
-        service.send_signal(signal.SIGTERM)
-        try:
-            service.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            service.kill()
-            raise
-    assert not processes_mentioning(str(tmp_path)), "no agent or worker outlives the service"
-    assert not _up(base), "the web server stopped too"
-
-
-def _up(base: str) -> bool:
-    try:
-        urllib.request.urlopen(f"{base}/healthz", timeout=2).read()
-        return True
-    except OSError:
-        return False
+        for svc in services:
+            if svc.process is not None and svc.process.poll() is None:
+                svc.stop(signal.SIGTERM)
+        kill_leftovers(var_dir, marker)

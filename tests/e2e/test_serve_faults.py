@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from .service import ROOT, Service, call, free_port, health, processes_of, service_env, wait_for
+from .service import ROOT, Service, call, free_port, health, kill_leftovers, processes_of, service_env, wait_for
 
 pytestmark = pytest.mark.slow
 PLACED_OR_LATER = {"PLACED", "STARTING", "RUNNING", "SUCCEEDED"}  # on a seeded node, or a cloud-sim one that ran it
@@ -40,6 +40,7 @@ def service(tmp_path_factory):
     yield svc
     if svc.process.poll() is None:
         svc.stop()
+    kill_leftovers(var_dir)
 
 
 def submit(svc: Service, name: str) -> dict:
