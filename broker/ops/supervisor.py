@@ -58,14 +58,21 @@ class _Child:
     restarts: int = 0
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def signal_on_parent_death(sig: int, parent_pid: int) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux prctl). False when
+    the parent is already gone (it may die before the call: hence the getppid check)."""
+    _libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    return os.getppid() == parent_pid
+
+
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: the child gets SIGKILL when `serve` dies, however it dies. The parent may already
-    be gone between fork and prctl, hence the getppid check."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    """preexec_fn: the child gets SIGKILL when `serve` dies, however it dies."""
 
     def setup() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:
+        if not signal_on_parent_death(signal.SIGKILL, parent_pid):
             os._exit(1)
 
     return setup

@@ -148,11 +148,15 @@ class Service:
                              text=True).stdout
         return next(int(line.split()[0]) for line in out.splitlines() if "manage.py serve" in line)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> int:
-        """Signal the whole group (like Ctrl-C in a terminal or systemd's stop) and wait for it."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90, group: bool = True) -> int:
+        """Signal the whole group (like Ctrl-C in a terminal or systemd's stop), or only its first
+        process (`kill <pid of make>`), and wait for that one."""
         assert self.process is not None
         try:
-            os.killpg(self.process.pid, sig)
+            if group:
+                os.killpg(self.process.pid, sig)
+            else:
+                self.process.send_signal(sig)
         except ProcessLookupError:
             pass
         try:

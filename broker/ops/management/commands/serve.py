@@ -29,7 +29,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from broker.ops.demo_agents import start_demo_agents, stop_demo_agents, stop_simulated_cloud
 from broker.ops.services import local_instances_recover
-from broker.ops.supervisor import Backoff, ChildSpec, Supervisor, stop_leftovers
+from broker.ops.supervisor import Backoff, ChildSpec, Supervisor, signal_on_parent_death, stop_leftovers
 
 
 def _env_float(name: str, default: float) -> float:
@@ -62,6 +62,7 @@ class Command(BaseCommand):
         self._stop_signal: int | None = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        self._stop_with_make()
 
         # What a previous run left behind, before anything new starts.
         state_file = var_dir / "serve-children.json"
@@ -115,6 +116,18 @@ class Command(BaseCommand):
                                                      "-s", str(Path(settings.VAR_DIR) / "celerybeat-schedule")],
                                    env, log_dir / "beat.log", cwd=root))
         return specs
+
+    def _stop_with_make(self) -> None:
+        """Under `make run`, a SIGTERM sent to make alone (`kill <pid of make>`, not its process group)
+        never reaches serve: make does not forward it, and serve would run on. So serve asks for a
+        SIGTERM when make dies. Only for make: a shell or wrapper that exits may mean to leave it running."""
+        parent = os.getppid()
+        try:
+            name = Path(f"/proc/{parent}/comm").read_text().strip()
+        except OSError:
+            return
+        if name in ("make", "gmake") and not signal_on_parent_death(signal.SIGTERM, parent):
+            self._stop_signal = signal.SIGTERM  # make is already gone
 
     def _on_signal(self, signum, frame) -> None:
         # Only note it: the main loop stops everything in order (a second signal changes nothing).
