@@ -19,7 +19,8 @@ from broker.ops.models import PeriodicRun
 # check name in the answer -> the Celery task that must keep running
 SWEEPS = {"scheduler": "scheduler.sweep", "lost_nodes": "agents.mark_lost"}
 STALE_AFTER_PERIODS = 3
-# When this web process started: before three periods have passed, "never ran" is not a failure.
+# When this web process loaded its URLs (at start, or at its first request at the latest): for three
+# periods after it, "never ran" or "last ran before the restart" is not a failure.
 PROCESS_STARTED_AT: datetime = timezone.now()
 
 
