@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 HOST ?= 127.0.0.1
 
-.PHONY: run test setup migrate seed worker bench clean
+.PHONY: run test setup migrate seed clean
 
 $(VENV)/.installed-dev: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,8 @@ migrate: setup
 seed: migrate
 	$(PY) manage.py seed_demo
 
+# serve supervises web, worker and beat and the demo agents; Ctrl-C or SIGTERM (to make, serve or the
+# whole group) stops all of it, and running it again gives the same demo (same tokens, same nodes).
 run: seed
 	$(PY) manage.py serve --host $(HOST) --port $(PORT)
 

@@ -51,7 +51,7 @@ def demo_provider(pool: Pool) -> LocalProvider:
                          region=pool.region or "local")
 
 
-def stop_demo_agents(*, log) -> int:
+def stop_demo_agents(*, log, reason: str = "left by a previous run") -> int:
     """Terminate every demo agent a previous run left running (it may have been SIGKILLed, so its
     own cleanup never ran), then forget the terminated ones: a demo agent's request key is the same
     every run, and a remembered terminated instance would be returned instead of a new one."""
@@ -62,8 +62,8 @@ def stop_demo_agents(*, log) -> int:
         provider = demo_provider(pool)
         for info in provider.list_owned():
             if info.state is not ProviderState.TERMINATED:
-                result = provider.terminate(info.ref, reason="left by a previous run")
-                log(f"stopped demo agent {info.ref.instance_id} left by a previous run ({result.state.value})")
+                result = provider.terminate(info.ref, reason=reason)
+                log(f"stopped demo agent {info.ref.instance_id} {reason} ({result.state.value})")
                 stopped += 1
         provider.prune(older_than_s=0)
     return stopped

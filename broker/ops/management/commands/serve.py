@@ -72,7 +72,6 @@ class Command(BaseCommand):
 
         supervisor = Supervisor(self._specs(options, url, log_dir), log=self.say, state_file=state_file,
                                 backoff=Backoff(initial_s=options["restart_delay"], max_s=options["restart_max"]))
-        agents = []
         try:
             supervisor.start()
             if not options["no_agents"] and self._wait_for(url, supervisor):
@@ -89,12 +88,10 @@ class Command(BaseCommand):
             # Beat and worker first, so nothing launches a new instance while the instances stop.
             supervisor.stop(["beat", "worker"], grace_s=grace)
             stopped = stop_simulated_cloud(log=self.say)
-            for provider, ref in agents:
-                try:
-                    provider.terminate(ref, reason="service stopped")
-                except Exception as exc:  # keep stopping the others
-                    self.say(f"stopping agent {ref.instance_id}: {exc}")
-            self.say(f"{stopped} simulated instance(s) and {len(agents)} demo agent(s) stopped")
+            # Every demo agent its state files know, not only `agents`: a start cut short may have
+            # launched some before failing.
+            demo = stop_demo_agents(log=lambda message: None, reason="service stopped")
+            self.say(f"{stopped} simulated instance(s) and {demo} demo agent(s) stopped")
             supervisor.stop(["web"], grace_s=grace)
             self.say("stopped")
             lock.close()
