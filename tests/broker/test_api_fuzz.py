@@ -216,7 +216,11 @@ def assert_field_errors(case, body: Any) -> None:
     assert isinstance(body, dict) and body, f"400 body must be a non-empty JSON object, got {body!r}"
     keys = set(body) - {"code"}
     assert keys, f"400 body names no field: {body!r}"
-    unknown = keys - request_fields(case)
+    fields = request_fields(case)
+    # Error bodies cut a long key to an excerpt ending in "…" (broker/api/errors.py), and "…" alone counts
+    # the fields left out: such a key names the request field(s) it begins.
+    unknown = {key for key in keys if key not in fields
+               and not (key.endswith("…") and any(str(f).startswith(key[:-1]) for f in fields))}
     assert not unknown, f"400 body keys {sorted(unknown)} name no field of the request: {body!r}"
     for key in keys:
         assert body[key], f"400 body gives no reason for {key!r}: {body!r}"
