@@ -97,10 +97,20 @@ else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.sqlite3",
+            # Django's SQLite backend, with one process's writers queued on a lock (see its docstring).
+            "ENGINE": "broker.sqlite",
             "NAME": VAR_DIR / "whalezen.sqlite3",
-            # SQLite serialises writers; wait for the lock instead of failing at once.
-            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            "OPTIONS": {
+                # SQLite serialises writers; wait up to this many seconds for the lock instead of failing.
+                "timeout": 20,
+                # Writes take the lock at BEGIN: a deferred transaction that reads and then writes cannot
+                # wait for the lock (SQLite answers "database is locked" at once, skipping the busy timeout).
+                "transaction_mode": "IMMEDIATE",
+                # WAL: readers never block the writer nor the writer them (the default rollback journal makes
+                # a committing writer wait for every open read, e.g. a scheduling cycle's snapshot); NORMAL
+                # sync is durable in WAL mode except for the last commits on power loss, and commits faster.
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+            },
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

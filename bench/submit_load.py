@@ -1,0 +1,193 @@
+"""Job submissions per second through the real web server on the embedded default (SQLite).
+
+Starts what `make run` starts, minus the demo agents (`manage.py serve --no-agents`: `runserver` plus
+the Celery worker and beat, whose scheduling cycles write to the same database), on a fresh SQLite
+database with the demo data in a temporary folder, then fires `--requests` job submissions from
+`--concurrency` threads (loopback only) with the demo tokens and counts the answers.
+
+    .venv/bin/python -m bench.submit_load [--requests 1700] [--concurrency 32] [--no-worker] [--json]
+
+The last line with --json is one JSON object: {"requests", "concurrency", "seconds", "requests_per_s",
+"p50_ms", "p99_ms", "statuses" (answer status -> count), "errors" (answers that are not 201),
+"html_errors" (answers with an HTML body), "jobs_created" (201 answers), "error_kinds" (the commonest error excerpts -> count)}.
+
+The submission throttle (`WHALEZEN_SUBMIT_RATE`) is lifted for the run: this measures the database, not
+the rate limit.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.hostile_input import _free_port, _wait_up
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = {"name": "load", "command": ["python", "-c", "pass"], "resources": {"gpus": 1},
+        "expected_duration_hours": 1}
+
+
+@dataclass
+class Server:
+    base: str
+    tokens: list[str]
+    var_dir: Path
+    env: dict[str, str]
+    process: subprocess.Popen = field(repr=False)
+
+
+@contextlib.contextmanager
+def seeded_server(var_dir: Path, *, worker: bool = True) -> Iterator[Server]:
+    """A migrated, seeded SQLite broker under `var_dir`, served on a free loopback port."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(WHALEZEN_VAR_DIR=str(var_dir), DJANGO_SETTINGS_MODULE="broker.settings",
+               WHALEZEN_SUBMIT_RATE="1000000/min", WHALEZEN_TASKS_EAGER="0", DJANGO_DEBUG="1")
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+    seeded = subprocess.run([sys.executable, "manage.py", "seed_demo"], cwd=ROOT, env=env, check=True,
+                            capture_output=True, text=True).stdout
+    tokens = [line.split()[2] for line in seeded.splitlines() if line.startswith("TOKEN ")]
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    if worker:
+        command = ["manage.py", "serve", "--no-agents", "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        command = ["manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"]
+    log = open(var_dir / "server.log", "ab")
+    # Its own process group: serve's children (web, worker) stop with it even if it is killed.
+    process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_up(base)
+        yield Server(base=base, tokens=tokens, var_dir=var_dir, env=env, process=process)
+    finally:
+        _stop(process)
+        _reap(var_dir)
+        log.close()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
+def _reap(var_dir: Path) -> None:
+    """Stop what the run left behind under `var_dir`: the `local` provider's instance agents run in
+    their own sessions and may outlive `serve` (issue 8, item 9)."""
+    marker = str(var_dir).encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if marker in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int | str  # an HTTP status, or "timeout" / "connection"
+    seconds: float
+    body: bytes
+    content_type: str
+
+
+def submit(base: str, token: str, timeout_s: float) -> Answer:
+    request = urllib.request.Request(f"{base}/api/v1/jobs/", data=json.dumps(SPEC).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {token}"})
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            status, body, ctype = resp.status, resp.read(), resp.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as err:
+        status, body, ctype = err.code, err.read(), err.headers.get("Content-Type", "")
+    except TimeoutError:
+        status, body, ctype = "timeout", b"", ""
+    except OSError as exc:  # refused or reset: say which
+        status, body, ctype = "connection", repr(exc).encode(), ""
+    return Answer(status=status, seconds=time.perf_counter() - start, body=body, content_type=ctype)
+
+
+def fire(server: Server, *, requests: int, concurrency: int, timeout_s: float = 60.0) -> tuple[list[Answer], float]:
+    """`requests` submissions from `concurrency` threads, alternating between the demo tokens."""
+    tokens = server.tokens
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        answers = list(pool.map(lambda i: submit(server.base, tokens[i % len(tokens)], timeout_s), range(requests)))
+    return answers, time.perf_counter() - start
+
+
+def summarize(answers: list[Answer], seconds: float, concurrency: int) -> dict:
+    latencies = sorted(a.seconds for a in answers)
+    errors = [a for a in answers if a.status != 201]
+    p99_index = min(len(latencies) - 1, max(0, round(0.99 * len(latencies)) - 1))
+    return {
+        "requests": len(answers), "concurrency": concurrency, "seconds": round(seconds, 2),
+        "requests_per_s": round(len(answers) / seconds, 1) if seconds else None,
+        "p50_ms": round(statistics.median(latencies) * 1000, 1), "p99_ms": round(latencies[p99_index] * 1000, 1),
+        "statuses": {str(k): v for k, v in sorted(Counter(a.status for a in answers).items(), key=str)},
+        "errors": len(errors),
+        "html_errors": sum(1 for a in errors if "html" in a.content_type),
+        "jobs_created": sum(1 for a in answers if a.status == 201),
+        "error_kinds": dict(Counter(_excerpt(a) for a in errors).most_common(5)),
+    }
+
+
+def _excerpt(answer: Answer) -> str:
+    text = answer.body.decode("utf-8", "replace")
+    if "html" in answer.content_type:  # Django's debug page: its title and exception value say what went wrong
+        text = " ".join(_between(text, tag, "</") for tag in ("<title>", '<pre class="exception_value">')) or text
+    return f"{answer.status}: {' '.join(text.split())[:160]}"
+
+
+def _between(text: str, start: str, end: str) -> str:
+    i = text.find(start)
+    return text[i + len(start):text.find(end, i + len(start))].strip() if i >= 0 else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1700)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--no-worker", action="store_true", help="web server only (no Celery worker)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for one answer")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="wz-load-") as var:
+        with seeded_server(Path(var), worker=not args.no_worker) as server:
+            answers, seconds = fire(server, requests=args.requests, concurrency=args.concurrency,
+                                    timeout_s=args.timeout)
+    result = summarize(answers, seconds, args.concurrency)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
