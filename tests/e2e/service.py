@@ -11,8 +11,12 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +32,30 @@ def service_env(var_dir: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update(WHALEZEN_VAR_DIR=str(var_dir), WHALEZEN_CYCLE_SECONDS="1", PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+@contextmanager
+def backends(var_dir: Path, **extra: str) -> Iterator[dict[str, str]]:
+    """The service's environment: PostgreSQL and Redis when the suite runs with them (a fresh
+    database and queue of this test's own, dropped afterwards), else the embedded defaults. CI runs
+    the suite both ways, so the faults are exercised on both."""
+    database_url, redis_url = os.environ.get("DATABASE_URL"), os.environ.get("REDIS_URL")
+    if not (database_url and redis_url):
+        yield service_env(var_dir, **extra)
+        return
+    import psycopg
+
+    parts = urllib.parse.urlsplit(database_url)
+    name = f"wz_e2e_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    server = urllib.parse.urlunsplit(parts._replace(path="/postgres"))
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield service_env(var_dir, DATABASE_URL=urllib.parse.urlunsplit(parts._replace(path=f"/{name}")),
+                          REDIS_URL=redis_url, WHALEZEN_QUEUE=name, **extra)
+    finally:
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def call(url: str, token: str, body: dict | None = None) -> dict:

@@ -17,7 +17,8 @@ from datetime import datetime
 
 import pytest
 
-from .service import Service, call, commands_with, free_port, kill_leftovers, processes_of, service_env, shared_tmp_dir, wait_for
+from .service import (Service, backends, call, commands_with, free_port, kill_leftovers, processes_of, shared_tmp_dir,
+                      wait_for)
 
 ACME_DEMO_NODES = {"acme-a100-0", "acme-a100-1", "acme-t4-0", "acme-t4-1"}
 
@@ -51,8 +52,13 @@ def wait_state(svc: Service, token: str, job_id: int, states: set[str], timeout:
 
 @pytest.mark.slow
 def test_make_run_twice_and_after_a_sigkill_gives_the_same_working_demo(tmp_path):
+    """The embedded defaults as on a clean clone, or PostgreSQL and Redis when the suite has them."""
     var_dir = tmp_path / "var"
-    env = service_env(var_dir)
+    with backends(var_dir) as env:
+        _make_run_three_times(var_dir, env)
+
+
+def _make_run_three_times(var_dir, env) -> None:
     port = free_port()
     marker = f"wz-e2e-{os.getpid()}-{port}"  # in every job's command line: found even without our env
     services: list[Service] = []

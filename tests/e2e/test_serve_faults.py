@@ -2,8 +2,8 @@
 is stale while it is down, serve restarts it (and says so) and a job submitted meanwhile is placed;
 worker SIGKILLed -> restarted, no job lost, none placed twice; SIGTERM -> no process left.
 
-One service for the whole module (the CI budget is tight); no demo agents: placing a job on the
-seeded nodes is what scheduling means here.
+One service for the whole module (the CI budget is tight), on PostgreSQL and Redis when the suite
+has them; no demo agents: placing a job on the seeded nodes is what scheduling means here.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from .service import ROOT, Service, call, free_port, health, kill_leftovers, processes_of, service_env, wait_for
+from .service import ROOT, Service, backends, call, free_port, health, kill_leftovers, processes_of, wait_for
 
 pytestmark = pytest.mark.slow
 PLACED_OR_LATER = {"PLACED", "STARTING", "RUNNING", "SUCCEEDED"}  # on a seeded node, or a cloud-sim one that ran it
@@ -25,7 +25,11 @@ RESTART_DELAY_S = 8  # long enough to see /healthz report the stale scheduler (3
 def service(tmp_path_factory):
     var_dir = tmp_path_factory.mktemp("serve-faults") / "var"
     # A worker SIGKILLed mid-cycle keeps its tenant's cycle lease until it expires (120 s by default).
-    env = service_env(var_dir, WHALEZEN_CYCLE_LEASE_SECONDS="10")
+    with backends(var_dir, WHALEZEN_CYCLE_LEASE_SECONDS="10") as env:
+        yield from _service(var_dir, env)
+
+
+def _service(var_dir, env):
     manage = [sys.executable, "manage.py"]
     subprocess.run(manage + ["migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True, timeout=180)
     seeded = subprocess.run(manage + ["seed_demo"], cwd=ROOT, env=env, check=True, timeout=120,
