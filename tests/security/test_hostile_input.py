@@ -46,9 +46,16 @@ class Route:
         return self.name
 
 
+# Every field of the job spec, so each gets its hostile values.
+FULL_SPEC = {**MINIMAL_SPEC, "image": "ghcr.io/acme/train:1", "env": {"LR": "0.1"}, "priority": "high",
+             "preemptible": True, "expected_duration_hours": 2.5, "deadline": "2099-01-01T00:00:00Z",
+             "resources": {"gpus": 1, "gpu_models": ["A100-80GB"], "min_gpu_memory_gb": 40, "interconnect": "any",
+                           "cpu": 8, "memory_gb": 64},
+             "placement": {"providers": ["onprem"], "regions": ["dc1"], "spot": "never", "max_price_per_hour": 10},
+             "checkpoint": {"uri": "s3://ckpt-bucket/run", "interval_minutes": 30}}
 BODY_ROUTES = [
     Route("jobs-create", "POST", "/api/v1/jobs/",
-          lambda hw: (hw.world.client, "/api/v1/jobs/", dict(MINIMAL_SPEC))),
+          lambda hw: (hw.world.client, "/api/v1/jobs/", dict(FULL_SPEC))),
     Route("tokens-create", "POST", "/api/v1/tokens/",
           lambda hw: (hw.world.client, "/api/v1/tokens/", {"name": "ci", "scopes": ["read"], "expires_in_days": 30})),
     Route("agent-register (anonymous)", "POST", AGENT_ROUTES["register"],
