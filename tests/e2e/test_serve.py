@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 from datetime import datetime
 
@@ -62,6 +63,7 @@ def _make_run_three_times(var_dir, env) -> None:
     port = free_port()
     marker = f"wz-e2e-{os.getpid()}-{port}"  # in every job's command line: found even without our env
     services: list[Service] = []
+    cleanups = []
     try:
         # 1. First run, stopped with SIGTERM while a job runs and more are queued.
         first = Service(var_dir, port, env).start()
@@ -88,6 +90,7 @@ def _make_run_three_times(var_dir, env) -> None:
         wait_for(lambda: not call(f"{jobs_url(second)}?state=PENDING", token)["results"], 120,
                  "the first run's jobs to be placed again")
         out_dir = shared_tmp_dir()  # the job runs as an unprivileged user: it cannot write to tmp_path
+        cleanups.append(lambda: shutil.rmtree(out_dir, ignore_errors=True))
         out_file = out_dir / "cuda-visible-devices.txt"
         t4 = call(jobs_url(second), token, {
             "name": "t4", "resources": {"gpus": 2, "gpu_models": ["T4"]},
@@ -126,3 +129,5 @@ def _make_run_three_times(var_dir, env) -> None:
             if svc.process is not None and svc.process.poll() is None:
                 svc.stop(signal.SIGTERM)
         kill_leftovers(var_dir, marker)
+        for cleanup in cleanups:
+            cleanup()
