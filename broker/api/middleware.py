@@ -66,7 +66,8 @@ class RequestIdMiddleware:
             return None  # the admin and other pages keep Django's handling
         rid = request_id_of(request)
         if _is_busy(exception):
-            logger.warning("database busy on %s %s (request %s): %s", request.method, request.path, rid, exception)
+            logger.warning("database busy on %s %s (request %s): %s", request.method, request.path, rid,
+                           exception)
             response = self._json_error(request, 503, "The database is busy; retry shortly.")
             response["Retry-After"] = str(RETRY_AFTER_SECONDS)
             return response

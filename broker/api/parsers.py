@@ -80,8 +80,8 @@ def _read_bounded(stream) -> bytes:
 
 def _check_content_length(parser_context: dict | None) -> None:
     request = (parser_context or {}).get("request")
-    length = request.META.get("CONTENT_LENGTH") if request is not None else None
-    if length and str(length).isascii() and str(length).isdigit() and int(length) > settings.WHALEZEN_MAX_BODY_BYTES:
+    length = str(request.META.get("CONTENT_LENGTH") or "") if request is not None else ""
+    if length.isascii() and length.isdigit() and int(length) > settings.WHALEZEN_MAX_BODY_BYTES:
         raise BodyError(f"Request body is larger than {settings.WHALEZEN_MAX_BODY_BYTES} bytes.")
 
 

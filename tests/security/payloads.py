@@ -87,7 +87,8 @@ def alias_bombs(base: dict) -> list[Hostile]:
                         *(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in rest)])
     return [Hostile("YAML alias bomb (registration, 490 bytes)", YAML, alias_bomb()),
             Hostile("YAML alias bomb (job spec)", YAML, job_alias_bomb()),
-            Hostile("YAML alias bomb, 12 levels (9^12 nodes if expanded)", "application/x-yaml", alias_bomb(levels=12)),
+            Hostile("YAML alias bomb, 12 levels (9^12 nodes if expanded)", "application/x-yaml",
+                    alias_bomb(levels=12)),
             Hostile("YAML alias bomb as text/yaml", "text/yaml", alias_bomb()),
             Hostile("an anchor on a field of a valid body", YAML, small.encode())]
 
@@ -115,7 +116,8 @@ def bad_text(base: dict) -> list[Hostile]:
             out.append(Hostile(f"key {key!r} in {_dotted(path)}", JSON, body))
     for path in _strings(base):
         for value in ("\ud800", "a\x00b", "tail\udc00"):
-            out.append(Hostile(f"{value!r} as {_dotted(path)}", JSON, json.dumps(_replaced(base, path, value)).encode()))
+            body = json.dumps(_replaced(base, path, value)).encode()
+            out.append(Hostile(f"{value!r} as {_dotted(path)}", JSON, body))
     nul_yaml = "\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in base.items()) + '\n"x\\0": "\\0"\n'
     out.append(Hostile("NUL in a YAML key and value", YAML, nul_yaml.encode()))
     return out

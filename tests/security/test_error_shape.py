@@ -40,7 +40,8 @@ def test_every_response_has_a_request_id_and_a_sane_incoming_one_is_kept(acme):
 def test_an_unhandled_error_is_a_json_500_with_the_request_id_logged(acme, debug, monkeypatch, caplog):
     monkeypatch.setattr(jobs_api.services, "job_submit", _boom(RuntimeError("secret internals")))
     with caplog.at_level(logging.ERROR, logger="broker.api"):
-        resp = acme.client.post("/api/v1/jobs/", MINIMAL_SPEC, format="json", HTTP_X_REQUEST_ID="req-0123456789")
+        resp = acme.client.post("/api/v1/jobs/", MINIMAL_SPEC, format="json",
+                                HTTP_X_REQUEST_ID="req-0123456789")
     assert resp.status_code == 500
     assert resp["Content-Type"] == "application/json"
     assert resp.json() == {"detail": "Internal server error.", "request_id": "req-0123456789"}

@@ -21,7 +21,8 @@ from rest_framework.test import APIClient
 
 from broker.agents.urls import urlpatterns as agent_urlpatterns
 
-from .conftest import AGENT_API, MINIMAL_SPEC, HostileWorld, db_digest, heartbeat_body, register_body, status_body
+from .conftest import (AGENT_API, MINIMAL_SPEC, HostileWorld, db_digest, heartbeat_body, register_body,
+                       status_body)
 from .payloads import CATEGORIES, hostile_bodies
 
 SECONDS = 1.0  # the issue's coarse bound per answer
@@ -57,7 +58,8 @@ BODY_ROUTES = [
     Route("jobs-create", "POST", "/api/v1/jobs/",
           lambda hw: (hw.world.client, "/api/v1/jobs/", dict(FULL_SPEC))),
     Route("tokens-create", "POST", "/api/v1/tokens/",
-          lambda hw: (hw.world.client, "/api/v1/tokens/", {"name": "ci", "scopes": ["read"], "expires_in_days": 30})),
+          lambda hw: (hw.world.client, "/api/v1/tokens/",
+                      {"name": "ci", "scopes": ["read"], "expires_in_days": 30})),
     Route("agent-register (anonymous)", "POST", AGENT_ROUTES["register"],
           lambda hw: (APIClient(), f"{AGENT_API}/register", register_body(hw.join_token))),
     Route("agent-heartbeat", "POST", AGENT_ROUTES["heartbeat"],
@@ -114,7 +116,7 @@ def test_every_route_that_takes_a_body_is_covered():
 
 @pytest.mark.parametrize("route", BODY_ROUTES, ids=repr)
 def test_the_base_bodies_are_accepted(hostile, route):
-    """The hostile bodies are variations of these: each must really be accepted, or the suite proves little."""
+    """The hostile bodies are variations of these: each must be accepted, or the suite proves little."""
     client, url, body = route.setup(hostile)
     resp = client.generic(route.method, url, json.dumps(body), content_type="application/json")
     assert 200 <= resp.status_code < 300, resp.content
@@ -125,8 +127,9 @@ def test_the_base_bodies_are_accepted(hostile, route):
 def test_hostile_bodies_get_a_small_fast_4xx_and_change_nothing(hostile, route, category, settings):
     client, url, base = route.setup(hostile)
     bodies = hostile_bodies(category, base, settings.WHALEZEN_MAX_BODY_BYTES)
-    failures = _send_all((repr(h), lambda h=h: client.generic(route.method, url, h.body, content_type=h.content_type))
-                         for h in bodies)
+    failures = _send_all(
+        (repr(h), lambda h=h: client.generic(route.method, url, h.body, content_type=h.content_type))
+        for h in bodies)
     assert not failures, f"{len(failures)} of {len(bodies)} bodies:\n" + "\n".join(failures)
 
 
@@ -163,6 +166,7 @@ def test_odd_query_values_never_fail_the_server(hostile, method, path, names):
     calls = [(f"{path}?{name}={value[:12]!r}", lambda name=name, value=value: client.get(path, {name: value}))
              for name in names for value in ODD_QUERY_VALUES]
     # Invalid UTF-8 in the query string (a lone surrogate's bytes), as raw bytes.
-    calls += [(f"{path}?{name}=%ED%A0%80", lambda name=name: client.get(f"{path}?{name}=%ED%A0%80")) for name in names]
+    calls += [(f"{path}?{name}=%ED%A0%80", lambda name=name: client.get(f"{path}?{name}=%ED%A0%80"))
+              for name in names]
     failures = _send_all(calls, need_4xx=False)
     assert not failures, "\n".join(failures)
