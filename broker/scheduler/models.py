@@ -34,20 +34,3 @@ class CycleRecord(models.Model):
         ordering = ["-started_at"]
         indexes = [models.Index(fields=["tenant", "started_at"])]
 
-
-class SweepClock(models.Model):
-    """When a periodic sweep last ran and when the broker last came back after being down.
-
-    The lost-node sweep reads it to tell a node's silence from the broker's own: agents cannot
-    heartbeat while the web server is down, and silence is not judged while the worker is
-    (broker.scheduler.outage). Updated under a row lock, so two sweeps at once agree.
-    """
-
-    name = models.CharField(max_length=64, unique=True)
-    last_run_at = models.DateTimeField()
-    # The end of the latest outage seen (a gap between runs, or the web server not answering).
-    resumed_at = models.DateTimeField(null=True, blank=True)
-    outage_seconds = models.FloatField(default=0, help_text="Length of the latest outage seen")
-
-    def __str__(self) -> str:
-        return f"{self.name}: last run {self.last_run_at:%H:%M:%S}"

@@ -4,7 +4,7 @@ Issue 8 item 6: the broker was killed for about 50 s while its agents ran on; th
 found every heartbeat older than the limit and marked the node LOST. Seen from the database, the
 broker being down looks exactly like every node going quiet, so the sweep keeps its own clock:
 
-- Each run of the lost-node sweep is recorded (`SweepClock`). A gap between two runs longer than
+- Each run of the lost-node sweep is recorded (`ops.PeriodicRun`, the row /healthz also reads). A gap between two runs longer than
   the heartbeat-loss limit means the worker or its beat was down: the broker resumed at this run.
 - Agents reach the broker through the web server, which can be down while the worker runs. When
   every agent node is silent past the limit at once, the sweep asks the URL the agents use
@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import transaction
 
-from broker.scheduler.models import SweepClock
+from broker.ops.models import PeriodicRun
 
 log = logging.getLogger(__name__)
 LOST_SWEEP = "agents.mark_lost"
@@ -44,9 +44,9 @@ def sweep_resumption(*, now: datetime, limit_s: float, name: str = LOST_SWEEP) -
     A first run ever has nothing to compare with and reports no outage.
     """
     with transaction.atomic():
-        clock = SweepClock.objects.select_for_update().filter(name=name).first()
+        clock = PeriodicRun.objects.select_for_update().filter(name=name).first()
         if clock is None:
-            SweepClock.objects.get_or_create(name=name, defaults={"last_run_at": now})
+            PeriodicRun.objects.get_or_create(name=name, defaults={"last_run_at": now})
             return None
         gap = (now - clock.last_run_at).total_seconds()
         if gap > limit_s:
@@ -61,9 +61,9 @@ def sweep_resumption(*, now: datetime, limit_s: float, name: str = LOST_SWEEP) -
 def broker_unreachable_record(*, now: datetime, name: str = LOST_SWEEP) -> None:
     """The agents' way in does not answer at `now`: grace for their nodes counts from no earlier."""
     with transaction.atomic():
-        clock = SweepClock.objects.select_for_update().filter(name=name).first()
+        clock = PeriodicRun.objects.select_for_update().filter(name=name).first()
         if clock is None:
-            SweepClock.objects.get_or_create(name=name, defaults={"last_run_at": now, "resumed_at": now})
+            PeriodicRun.objects.get_or_create(name=name, defaults={"last_run_at": now, "resumed_at": now})
             return
         if clock.resumed_at is None or clock.resumed_at < now:
             clock.resumed_at = now

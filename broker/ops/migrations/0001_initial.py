@@ -17,6 +17,8 @@ class Migration(migrations.Migration):
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
                 ('name', models.CharField(help_text='The Celery task name', max_length=100, unique=True)),
                 ('last_run_at', models.DateTimeField()),
+                ('resumed_at', models.DateTimeField(blank=True, null=True)),
+                ('outage_seconds', models.FloatField(default=0, help_text='Length of the latest outage seen')),
             ],
         ),
     ]
