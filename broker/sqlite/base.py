@@ -14,6 +14,7 @@ and must not wait on a test's own outer transaction.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 from django.db.backends.sqlite3 import base
@@ -25,6 +26,17 @@ _locks_guard = threading.Lock()
 def _write_lock(name: str) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault(name, threading.Lock())
+
+
+def _fresh_locks_in_child() -> None:
+    """A forked child (a prefork worker, a preloading server) must not inherit a lock that a thread of
+    its parent held at the fork: nobody in the child would ever release it."""
+    global _locks_guard
+    _locks_guard = threading.Lock()
+    _locks.clear()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
 class DatabaseWrapper(base.DatabaseWrapper):
