@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ from agent import AGENT_VERSION
 from agent.backends import FakeSpecError, GpuBackendUnavailable, open_backend
 from agent.host import hostname
 from agent.jointoken import JoinTokenError, read_join_token, reexec_without_token
+from agent.selffence import DEFAULT_FENCE_AFTER_S
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_GPU_BACKEND, EXIT_REGISTRATION_REFUSED = 0, 1, 2, 3, 4
 PROG = "whalezen-agent"
@@ -65,8 +67,24 @@ def _run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="node label (repeatable)")
     parser.add_argument("--stop-grace-seconds", type=float, default=10.0,
                         help="time a job gets between SIGTERM and SIGKILL")
+    parser.add_argument("--fence-after-seconds", type=_seconds, metavar="N",
+                        default=os.environ.get("WHALEZEN_AGENT_FENCE_AFTER_SECONDS", f"{DEFAULT_FENCE_AFTER_S:g}"),
+                        help="stop every job when the broker has accepted no heartbeat for N seconds (env "
+                        "WHALEZEN_AGENT_FENCE_AFTER_SECONDS, default %(default)s; 0: never). Must match the "
+                        "broker's WHALEZEN_AGENT_FENCE_AFTER_SECONDS")
     parser.add_argument("--log-level", default=os.environ.get("WHALEZEN_AGENT_LOG_LEVEL", "INFO"))
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A duration in seconds: finite and not negative (argparse makes a refusal exit 2, a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds (0 or more), got {text[:40]!r}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,6 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         job_user=args.job_user,
         work_dir=args.work_dir,
         join_token_file=args.join_token_file if args.delete_join_token_file else None,
+        fence_after_s=args.fence_after_seconds,
     )
     try:
         agent = Agent(config, backend)

@@ -11,6 +11,8 @@ Ordering rules that keep the broker's view right:
   stale view (lagging replica, replayed answer): what is new in it is refused, nothing else moves.
 - The assignments list is the node's whole desired state: a running job missing from a current
   list is stopped. That fences work the broker took away (node marked lost, job moved).
+- Cut off from the broker past `--fence-after-seconds`, the agent stops its jobs itself, so the
+  broker's bounded wait before restarting them elsewhere holds (agent/selffence.py).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from agent.jointoken import delete_token_file
 from agent.model import GpuReading, Health
 from agent.procs import kill_orphan, process_start_ticks
 from agent.protocol import heartbeat_payload, registration_payload
+from agent.selffence import DEFAULT_FENCE_AFTER_S, SelfFence
 from agent.state import AgentState, Identity, JobRecord, StateStore
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class AgentConfig:
     job_user: str | None = None  # user name/uid, "self", or None: the default (agent/isolation.py)
     work_dir: Path | None = None  # where job dirs go; None: `<state dir>-jobs`, never inside the state dir
     join_token_file: Path | None = None  # deleted once the node is registered (--delete-join-token-file)
+    fence_after_s: float = DEFAULT_FENCE_AFTER_S  # stop every job after this long cut off; 0: never
 
 
 class Agent:
@@ -87,6 +91,7 @@ class Agent:
                                 job_user=self.job_user)
         self.runner.prepare()
         self.backoff = Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s, rng=rng)
+        self.fence = SelfFence(config.fence_after_s, clock)  # raises ValueError: a usage error
         # Stop request from a signal handler: a flag plus a byte down a pipe that the loop's select()
         # waits on. A threading.Event cannot be used there: the handler runs on the main thread,
         # possibly while Event.wait() holds the Event's lock, and set() would deadlock on it.
@@ -115,6 +120,7 @@ class Agent:
         log_job_isolation(self.job_user, work_dir=self.runner.jobs_dir, state_dir=self.config.state_dir)
         # Before the first call to the broker: nothing a previous run left may keep running.
         self._fence_orphans()
+        self.fence.log_setting()
         self._started = True
 
     def run(self) -> int:
@@ -163,6 +169,7 @@ class Agent:
         for exit_ in self.runner.poll():
             self._record_exit(exit_)
         now = self.clock()
+        self.fence.apply(self.runner, now)  # before any network wait: it must happen even in a long backoff
         if now >= self._next_heartbeat_at and (self._sampled_mono is None or now - self._sampled_mono >= self.heartbeat_s):
             self._sample(now)
         if now < self._next_network_at:
@@ -236,6 +243,7 @@ class Agent:
             raise BrokerUnavailable(f"registration answer lacks {err}") from None
         self.store.save_identity(identity)
         self.identity = identity
+        self.fence.contact()
         if self.config.join_token_file is not None:  # it has done its job; a file nobody reads cannot leak
             delete_token_file(self.config.join_token_file)
         if self.state.node_id != identity.node_id:
@@ -264,6 +272,7 @@ class Agent:
             last_error=self.last_error,
         )
         body = self.client.heartbeat(self.identity.node_token, payload)
+        self.fence.contact()
         self.missed_heartbeats = 0
         self._see_epoch(body.get("epoch"))
         lost = bool(body.get("lost"))
