@@ -221,12 +221,17 @@ WHALEZEN_BOOT_TIMEOUT_SECONDS = int(os.environ.get("WHALEZEN_BOOT_TIMEOUT_SECOND
 # (worker gap, or the web server not answering WHALEZEN_BROKER_PROBE_URL; "" = never probe), every
 # node gets that limit again plus WHALEZEN_AGENT_RETRY_CAP_SECONDS (the agents' backoff cap). A job
 # requeued from a LOST node starts again once its old copy is confirmed stopped, or after
-# WHALEZEN_FENCE_WAIT_SECONDS (broker/agents/fencing.py says what that bound covers).
+# WHALEZEN_FENCE_WAIT_SECONDS (unset: WHALEZEN_AGENT_FENCE_AFTER_SECONDS + the LOST limit + two
+# heartbeats; broker/agents/fencing.py says what that bound covers). Agents cut off from the broker
+# stop their jobs after WHALEZEN_AGENT_FENCE_AFTER_SECONDS (agent --fence-after-seconds, read from
+# the same variable: keep them equal; 0 = agents never do, and the wait is then two LOST periods).
 WHALEZEN_AGENT_HEARTBEAT_SECONDS = int(os.environ.get("WHALEZEN_AGENT_HEARTBEAT_SECONDS", 5))
 WHALEZEN_NODE_LOST_AFTER_SECONDS = int(os.environ.get("WHALEZEN_NODE_LOST_AFTER_SECONDS",
                                                       6 * WHALEZEN_AGENT_HEARTBEAT_SECONDS))
 WHALEZEN_AGENT_RETRY_CAP_SECONDS = int(os.environ.get("WHALEZEN_AGENT_RETRY_CAP_SECONDS", 60))
-WHALEZEN_FENCE_WAIT_SECONDS = int(os.environ.get("WHALEZEN_FENCE_WAIT_SECONDS", 2 * WHALEZEN_NODE_LOST_AFTER_SECONDS))
+WHALEZEN_AGENT_FENCE_AFTER_SECONDS = int(os.environ.get("WHALEZEN_AGENT_FENCE_AFTER_SECONDS", 900))
+WHALEZEN_FENCE_WAIT_SECONDS = (int(os.environ["WHALEZEN_FENCE_WAIT_SECONDS"])
+                               if os.environ.get("WHALEZEN_FENCE_WAIT_SECONDS") else None)
 WHALEZEN_BROKER_PROBE_URL = os.environ.get("WHALEZEN_BROKER_PROBE_URL", WHALEZEN_PUBLIC_URL.rstrip("/") + "/healthz")
 
 # Agent routes (broker/agents/throttles.py): registration per client address, the rest per node.

@@ -1,7 +1,8 @@
 """Reads: may a requeued job start again, or may its old copy still be running somewhere?
 
-When a node is marked LOST its jobs are requeued at once (their GPUs elsewhere can be reserved), but
-the released allocations are flagged `stop_unconfirmed`: nothing said their processes ended. The
+When a node is marked LOST, or the broker gives up on a cloud instance's node (`node_give_up`), its
+jobs are requeued at once (their GPUs elsewhere can be reserved), but the released allocations are
+flagged `stop_unconfirmed`: nothing said their processes ended. The
 job's new placement is handed to its node as a `start` only once every such old copy is confirmed
 stopped, or once `WHALEZEN_FENCE_WAIT_SECONDS` have passed since the release. An old copy is
 confirmed stopped when its agent
@@ -11,14 +12,21 @@ confirmed stopped when its agent
 - registered again after the release (a restarted agent kills what its predecessor left before it
   registers), or its cloud instance was terminated with the provider's confirmation.
 
+An operator may also confirm that a LOST node is powered off (`node_confirm_powered_off`, the
+Node admin action "confirm powered off"): its old copies count as stopped from then on.
+
 Why the wait is bounded, and what that bound covers: a node is only marked LOST after the broker
 itself has been up and hearing nothing from it for the whole heartbeat-loss period (see
 `broker.scheduler.outage`), so its agent is dead or cut off from the broker. A dead agent runs
 nothing; an agent that gets through again within the wait confirms as above, before the new copy
-starts. Today's agent keeps its jobs running however long it cannot reach the broker, so an agent
-cut off for longer than the wait may still run its copy when the new one starts; that needs the
-agent to fence itself (stop its jobs after a silence longer than the broker's LOST limit plus this
-wait), which is not in the agent yet.
+starts; and an agent cut off for longer stops its jobs itself once the broker has accepted no
+heartbeat from it for `WHALEZEN_AGENT_FENCE_AFTER_SECONDS` (agent/selffence.py). The default wait
+is that fence-after plus the LOST limit plus two heartbeats: it starts at the release, itself at
+least a LOST limit after the last heartbeat the agent counts from, so the agent has fenced (and
+its stop grace passed) before the new copy starts. A broker outage shorter than the fence-after
+(10 minutes must restart no job) stops nothing on the agents. What the bound does not cover: an
+agent that runs no code at all (SIGSTOPped, a frozen VM) while its jobs run on, a fence-after of 0
+on the agents, or agents configured with a longer fence-after than the broker.
 """
 from __future__ import annotations
 
@@ -36,11 +44,22 @@ from broker.jobs.models import Allocation
 FINAL_REPORT_STATES = frozenset({"stopped", "exited", "failed", "refused"})
 
 
+def agent_fence_after_seconds() -> int:
+    """After how long without reaching the broker agents stop their jobs (0: never); what agents use."""
+    return int(getattr(settings, "WHALEZEN_AGENT_FENCE_AFTER_SECONDS", 900))
+
+
 def fence_wait_seconds() -> int:
     """How long a requeued job's new start waits at most for its old copy's stop to be confirmed."""
-    from broker.agents.services import lost_after_seconds  # one definition of the LOST limit
+    from broker.agents.services import heartbeat_seconds, lost_after_seconds  # one definition of each
 
-    return int(getattr(settings, "WHALEZEN_FENCE_WAIT_SECONDS", 2 * lost_after_seconds()))
+    explicit = getattr(settings, "WHALEZEN_FENCE_WAIT_SECONDS", None)
+    if explicit is not None:
+        return int(explicit)
+    fence_after = agent_fence_after_seconds()
+    if fence_after <= 0:  # agents never fence themselves: no wait is safe; keep the old bound
+        return 2 * lost_after_seconds()
+    return fence_after + lost_after_seconds() + 2 * heartbeat_seconds()
 
 
 def unconfirmed_copies(*, job_ids: Iterable[int], now: datetime | None = None) -> dict[int, list[Allocation]]:

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -65,6 +66,15 @@ class ReportRejected(AgentError):
 
 class AssignmentUnknown(AgentError):
     status = 404
+
+
+class ConfirmRefused(AgentError):
+    """A node the broker hears from cannot be confirmed powered off."""
+    status = 409
+
+
+class ConfirmForbidden(AgentError):
+    status = 403
 
 
 # -- registration --------------------------------------------------------------------------------
@@ -247,17 +257,57 @@ def node_given_up(node: Node) -> str | None:
 def node_give_up(*, node: Node, reason: str) -> bool:
     """Retire a cloud instance's node for good: revoke its node token (every call with it answers 401
     from now on), take it out of scheduling (OFFLINE unless already LOST) and requeue what it ran.
-    Safe to call twice; True when this call revoked the token."""
+    Safe to call twice; True when this call revoked the token.
+
+    The requeued jobs' old copies are `stop_unconfirmed` (broker.agents.fencing): a given-up
+    instance may still be running them, and its revoked token can no longer say it stopped them.
+    The provider confirming the instance terminated releases their next start at once."""
+    from broker.agents.fencing import fence_wait_seconds
+
     with transaction.atomic():
         revoked = Node.objects.filter(pk=node.pk).exclude(token_hash="").update(token_prefix="", token_hash="") == 1
         moved = Node.objects.filter(pk=node.pk, state__in=[NodeState.ONLINE, NodeState.DRAINING]).update(
             state=NodeState.OFFLINE, epoch=F("epoch") + 1) == 1
         if moved:
-            jobs_requeue_on_node(node_id=node.pk, reason_code="NODE_RETIRED",
-                                 message=f"Node {node.name} was retired ({reason}); the job restarts elsewhere.")
+            jobs_requeue_on_node(node_id=node.pk, reason_code="NODE_RETIRED", stop_unconfirmed=True,
+                                 message=f"Node {node.name} was retired ({reason}); the job restarts elsewhere "
+                                         "once the provider confirms the instance terminated (at most "
+                                         f"{fence_wait_seconds()} s).")
     if revoked:
         log.warning("node %s retired for good: %s; its node token is revoked", node.name, reason)
     return revoked
+
+
+def node_confirm_powered_off(*, node: Node, by: AbstractBaseUser) -> list[int]:
+    """A person says `node` is powered off: the copies of jobs it ran count as stopped, so their new
+    placements start at once instead of after the fence wait (broker.agents.fencing). Returns the
+    ids of the jobs that no longer wait for it.
+
+    For a platform operator (superuser) or an admin of the node's tenant, and only for a node the
+    broker does not hear from (LOST or OFFLINE): an ONLINE node's agent says itself what it runs.
+    Their word stands in for the agent's; each job's events name who gave it.
+    """
+    from broker.tenancy.models import Membership, Role
+
+    if not (getattr(by, "is_superuser", False)
+            or Membership.objects.filter(tenant_id=node.tenant_id, user_id=by.pk, role=Role.ADMIN).exists()):
+        raise ConfirmForbidden("Only a platform operator or an admin of the node's tenant may confirm that a "
+                               "node is powered off.")
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        if node.state not in (NodeState.LOST, NodeState.OFFLINE):
+            raise ConfirmRefused(f"Node {node.name} is {node.state}: its agent reports what it runs. Only a LOST "
+                                 "or OFFLINE node can be confirmed powered off.", field="state")
+        held = list(Allocation.objects.filter(node=node, active=False, stop_unconfirmed=True).select_related("job"))
+        Allocation.objects.filter(pk__in=[a.pk for a in held]).update(stop_unconfirmed=False)
+        jobs = {a.job_id: a.job for a in held if a.job.state not in TERMINAL_STATES}
+        for job in jobs.values():
+            event_append(job=job, kind="operator", reason_code="NODE_CONFIRMED_OFF",
+                         message=f"{by} confirmed that node {node.name} is powered off: the job's copy there counts "
+                                 "as stopped and it may start elsewhere at once.",
+                         data={"node": node.name, "by": str(by)})
+    log.warning("%s confirmed node %s powered off; %d job(s) no longer wait for it", by, node.name, len(jobs))
+    return sorted(jobs)
 
 
 # -- heartbeats ----------------------------------------------------------------------------------

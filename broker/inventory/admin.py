@@ -1,5 +1,6 @@
 from django.contrib import admin, messages
 
+from broker.agents.services import AgentError, node_confirm_powered_off
 from broker.inventory.models import CloudInstance, Gpu, GpuModel, Node, Pool
 from broker.inventory.services import pool_join_token_issue
 
@@ -38,6 +39,20 @@ class NodeAdmin(admin.ModelAdmin):
     list_filter = ["state", "pool__kind", "tenant"]
     exclude = ["token_hash"]
     inlines = [GpuInline]
+    actions = ["confirm_powered_off"]
+
+    @admin.action(description="Confirm powered off (its jobs restart elsewhere at once)")
+    def confirm_powered_off(self, request, queryset):
+        # The jobs of a LOST node wait for its agent to confirm their old copies stopped, or for the
+        # fence wait; the person who knows the machine is off lets them go now (docs/scheduling.md).
+        for node in queryset:
+            try:
+                released = node_confirm_powered_off(node=node, by=request.user)
+            except AgentError as err:
+                self.message_user(request, str(err), messages.ERROR)
+                continue
+            self.message_user(request, f"Node {node.name} confirmed powered off: {len(released)} job(s) no longer "
+                              "wait for it.", messages.SUCCESS)
 
 
 @admin.register(CloudInstance)

@@ -10,10 +10,12 @@ import socket
 from datetime import datetime, timedelta
 
 import pytest
+from django.db.models import F
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from broker.agents.fencing import fence_wait_seconds
+from broker.agents.models import NodeAgent
 from broker.agents.services import lost_after_seconds, nodes_mark_lost
 from broker.inventory.models import Node, NodeState
 from broker.jobs.models import Allocation, Job
@@ -198,11 +200,20 @@ def test_the_old_node_registering_again_releases_the_start(lost_job, join_token)
     assert starts(new_token) == [str(job.pk)]
 
 
+def time_passes(allocation: Allocation, seconds: float) -> None:
+    """As if `seconds` had passed since the old copy's release: its release, its node's last
+    heartbeat and its agent's registration all move back (the order of events stays the same)."""
+    delta = timedelta(seconds=seconds)
+    Allocation.objects.filter(pk=allocation.pk).update(released_at=F("released_at") - delta)
+    Node.objects.filter(pk=allocation.node_id).update(last_heartbeat_at=F("last_heartbeat_at") - delta)
+    NodeAgent.objects.filter(node_id=allocation.node_id).update(registered_at=F("registered_at") - delta)
+
+
 def test_the_wait_for_an_old_copy_is_bounded(lost_job):
     job, (_, _, old_allocation), (_, new_token) = lost_job
-    assert fence_wait_seconds() == 2 * lost_after_seconds()
-    Allocation.objects.filter(pk=old_allocation.pk).update(
-        released_at=timezone.now() - timedelta(seconds=fence_wait_seconds() + 1))
+    time_passes(old_allocation, fence_wait_seconds() - 5)
+    assert starts(new_token) == []  # nearly there: the old agent may not have fenced itself yet
+    time_passes(old_allocation, 6)
     assert starts(new_token) == [str(job.pk)]
 
 
@@ -233,3 +244,165 @@ def test_after_a_start_timeout_the_next_start_waits_for_the_first_nodes_word(acm
     assert starts(other_token) == []
     heartbeat(slow_token)  # the slow node says what it runs: not this job
     assert starts(other_token) == [str(job.pk)]
+
+
+# -- the wait covers agents that fenced themselves -----------------------------------------------
+@pytest.fixture
+def default_limits(settings):
+    settings.WHALEZEN_AGENT_HEARTBEAT_SECONDS = 5
+    settings.WHALEZEN_NODE_LOST_AFTER_SECONDS = 30
+    settings.WHALEZEN_AGENT_FENCE_AFTER_SECONDS = 900
+    settings.WHALEZEN_FENCE_WAIT_SECONDS = None  # not set: derived
+    return settings
+
+
+def test_the_default_wait_outlasts_the_agents_self_fence(default_limits):
+    from agent.selffence import DEFAULT_FENCE_AFTER_S
+
+    # The broker's default for the agents' fence-after is the agents' own default.
+    assert default_limits.WHALEZEN_AGENT_FENCE_AFTER_SECONDS == DEFAULT_FENCE_AFTER_S
+    assert fence_wait_seconds() == 900 + 30 + 2 * 5
+    # A 10-minute broker outage (plus the agents' backoff cap) is shorter than the agents' fence-after.
+    assert 600 + agent_retry_cap_seconds() < DEFAULT_FENCE_AFTER_S
+    # It follows the other settings, and an explicit value wins.
+    default_limits.WHALEZEN_AGENT_FENCE_AFTER_SECONDS = 300
+    default_limits.WHALEZEN_NODE_LOST_AFTER_SECONDS = 60
+    assert fence_wait_seconds() == 300 + 60 + 10
+    default_limits.WHALEZEN_FENCE_WAIT_SECONDS = 45
+    assert fence_wait_seconds() == 45
+    # Agents that never fence themselves: no wait would be safe; the bound is two LOST periods.
+    default_limits.WHALEZEN_FENCE_WAIT_SECONDS = None
+    default_limits.WHALEZEN_AGENT_FENCE_AFTER_SECONDS = 0
+    assert fence_wait_seconds() == 2 * 60
+
+
+def test_a_node_lost_for_a_partition_starts_the_job_elsewhere_only_after_the_agent_fenced(lost_job, default_limits):
+    """The old agent is cut off: it stops its copy 900 s after its last heartbeat got through (agent/
+    selffence.py). The new copy may start no sooner than that, plus the stop grace."""
+    job, (old, _, old_allocation), (_, new_token) = lost_job
+    old.refresh_from_db()
+    old_allocation.refresh_from_db()
+    fenced_by = old.last_heartbeat_at + timedelta(seconds=default_limits.WHALEZEN_AGENT_FENCE_AFTER_SECONDS + 10)
+    start_at = old_allocation.released_at + timedelta(seconds=fence_wait_seconds())
+    assert start_at > fenced_by
+    assert "(at most 940 s)" in job.events.filter(reason_code="NODE_LOST").get().message
+    time_passes(old_allocation, (fenced_by - old_allocation.released_at).total_seconds())
+    assert starts(new_token) == []  # the agent has fenced itself by now, at the latest: still held
+    time_passes(old_allocation, (start_at - fenced_by).total_seconds())
+    assert starts(new_token) == [str(job.pk)]
+
+
+# -- a cloud instance's node the broker gives up on ----------------------------------------------
+@pytest.fixture
+def given_up_job(acme, join_token, gpu_models, web_up):
+    """A job that ran on a cloud instance's node, which the broker then gave up on (the instance is
+    being terminated); the job is placed again on an on-prem node."""
+    from broker.provisioning.services import instance_terminate
+
+    from .test_agent_api import cloud_instance
+
+    instance, token = cloud_instance(acme)
+    resp = APIClient().post(f"{API}/register", register_body(token), format="json")
+    node_token = resp.json()["node_token"]
+    job, allocation = place(acme, Node.objects.get(pk=resp.json()["node_id"]), indices=(0,))
+    report(node_token, allocation, "running", reason="started")
+    instance.refresh_from_db()
+    instance_terminate(instance=instance, reason="consolidation")  # no provider id: stays TERMINATING
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING and "the provider confirms the instance terminated" in job.pending_reason
+    assert Allocation.objects.get(pk=allocation.pk).stop_unconfirmed
+    other, other_token = register(join_token, "other", "key-other-000")
+    allocation_commit(job=job, requests=[GpuRequest(node=other, gpu_indices=(0,))])
+    return job, instance, Allocation.objects.get(pk=allocation.pk), other_token
+
+
+def test_a_given_up_instance_still_running_holds_the_next_start(given_up_job):
+    from broker.inventory.models import CloudInstance
+
+    job, instance, _, other_token = given_up_job
+    assert CloudInstance.objects.get(pk=instance.pk).state == "TERMINATING"
+    assert starts(other_token) == []
+    job.refresh_from_db()
+    assert job.state == JobState.PLACED
+
+
+def test_the_provider_confirming_termination_releases_the_start_at_once(given_up_job):
+    from broker.inventory.models import CloudInstance, InstanceState
+
+    job, instance, _, other_token = given_up_job
+    CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATED)  # the reconciler saw it gone
+    assert starts(other_token) == [str(job.pk)]
+
+
+def test_a_given_up_instance_that_never_confirms_holds_the_start_only_for_the_wait(given_up_job):
+    job, _, old_allocation, other_token = given_up_job
+    time_passes(old_allocation, fence_wait_seconds() - 5)
+    assert starts(other_token) == []
+    time_passes(old_allocation, 6)
+    assert starts(other_token) == [str(job.pk)]
+
+
+# -- a person confirms a LOST node is powered off ------------------------------------------------
+def test_an_operator_confirming_a_lost_node_off_starts_its_jobs_elsewhere_at_once(lost_job):
+    from django.contrib.auth import get_user_model
+
+    from broker.agents.services import node_confirm_powered_off
+
+    job, (old, _, _), (_, new_token) = lost_job
+    operator = get_user_model().objects.create_superuser("ops", "ops@example.com", "x" * 16)
+    assert node_confirm_powered_off(node=old, by=operator) == [job.pk]
+    assert starts(new_token) == [str(job.pk)]
+    event = job.events.get(reason_code="NODE_CONFIRMED_OFF")
+    assert "ops confirmed that node old is powered off" in event.message
+
+
+def test_a_tenant_admin_may_confirm_a_member_may_not(lost_job, acme):
+    from broker.agents.services import ConfirmForbidden, node_confirm_powered_off
+
+    job, (old, _, _), (_, new_token) = lost_job
+    for user in (acme.member, acme.viewer):
+        with pytest.raises(ConfirmForbidden) as refused:
+            node_confirm_powered_off(node=old, by=user)
+        assert refused.value.status == 403
+    assert starts(new_token) == [] and not job.events.filter(reason_code="NODE_CONFIRMED_OFF").exists()
+    assert node_confirm_powered_off(node=old, by=acme.admin) == [job.pk]
+    assert starts(new_token) == [str(job.pk)]
+
+
+def test_an_admin_of_another_tenant_may_not_confirm(lost_job, globex):
+    from broker.agents.services import ConfirmForbidden, node_confirm_powered_off
+
+    _, (old, _, _), (_, new_token) = lost_job
+    with pytest.raises(ConfirmForbidden):
+        node_confirm_powered_off(node=old, by=globex.admin)
+    assert starts(new_token) == []
+
+
+def test_a_node_the_broker_hears_from_cannot_be_confirmed_off(lost_job, acme):
+    from broker.agents.services import ConfirmRefused, node_confirm_powered_off
+
+    _, (old, old_token, _), (_, new_token) = lost_job
+    heartbeat(old_token, (Allocation.objects.get(node=old),))  # back ONLINE, still running the old copy
+    old.refresh_from_db()
+    with pytest.raises(ConfirmRefused) as refused:
+        node_confirm_powered_off(node=old, by=acme.admin)
+    assert refused.value.status == 409 and "is ONLINE" in str(refused.value)
+    assert starts(new_token) == []
+
+
+def test_the_admin_action_confirms_a_lost_node_powered_off(lost_job, acme, client):
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    job, (old, _, _), (new, new_token) = lost_job
+    client.force_login(get_user_model().objects.create_superuser("root", "root@example.com", "x" * 16))
+    url = reverse("admin:inventory_node_changelist")
+    resp = client.post(url, {"action": "confirm_powered_off", "_selected_action": [new.pk]}, follow=True)
+    assert [str(m) for m in resp.context["messages"]] == [
+        "Node new is ONLINE: its agent reports what it runs. Only a LOST or OFFLINE node can be confirmed "
+        "powered off."]
+    assert starts(new_token) == []
+    resp = client.post(url, {"action": "confirm_powered_off", "_selected_action": [old.pk]}, follow=True)
+    assert resp.status_code == 200
+    assert [str(m) for m in resp.context["messages"]] == ["Node old confirmed powered off: 1 job(s) no longer wait for it."]
+    assert starts(new_token) == [str(job.pk)]
