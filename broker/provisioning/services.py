@@ -252,10 +252,14 @@ def instance_terminate(*, instance: CloudInstance, reason: str) -> CloudInstance
 
 
 def idle_instances(*, idle_seconds: int) -> list[CloudInstance]:
-    """Running instances whose node has held no job for `idle_seconds` and that nobody waits for."""
+    """Running instances whose node has held no job for `idle_seconds` and that nobody waits for, and
+    at once those whose node is LOST."""
     cutoff = timezone.now() - timedelta(seconds=idle_seconds)
-    idle = []
-    for instance in CloudInstance.objects.filter(state=InstanceState.RUNNING, created_at__lt=cutoff).select_related("node"):
+    # A LOST node's instance is given up for good (its jobs went elsewhere, it never comes back): kept
+    # for nothing, and its termination confirms their old copies stopped (broker.agents.fencing).
+    idle = list(CloudInstance.objects.filter(state=InstanceState.RUNNING, node__state=NodeState.LOST))
+    for instance in (CloudInstance.objects.filter(state=InstanceState.RUNNING, created_at__lt=cutoff)
+                     .exclude(node__state=NodeState.LOST).select_related("node")):
         waiting = Job.objects.filter(pk__in=[p["job_id"] for p in instance.placements],
                                      state=JobState.PROVISIONING).exists()
         busy = instance.node_id and instance.node.allocations.filter(active=True, job__state__in=ACTIVE_STATES).exists()

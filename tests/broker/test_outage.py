@@ -406,3 +406,30 @@ def test_the_admin_action_confirms_a_lost_node_powered_off(lost_job, acme, clien
     assert resp.status_code == 200
     assert [str(m) for m in resp.context["messages"]] == ["Node old confirmed powered off: 1 job(s) no longer wait for it."]
     assert starts(new_token) == [str(job.pk)]
+
+
+def test_a_lost_cloud_nodes_instance_is_retired_at_once_which_releases_the_start(acme, join_token, gpu_models, web_up):
+    """An instance whose agent went silent is given up for good: it is terminated at the next
+    provisioning sweep, not kept warm for the idle period, and the provider's confirmation lets its
+    job start elsewhere without the fence wait."""
+    from broker.inventory.models import CloudInstance, InstanceState
+    from broker.provisioning.services import idle_instances
+
+    from .test_agent_api import cloud_instance
+
+    instance, token = cloud_instance(acme, state="RUNNING")
+    resp = APIClient().post(f"{API}/register", register_body(token), format="json")
+    node = Node.objects.get(pk=resp.json()["node_id"])
+    job, allocation = place(acme, node, indices=(0,))
+    report(resp.json()["node_token"], allocation, "running", reason="started")
+    assert idle_instances(idle_seconds=600) == []
+    backdate_heartbeat(node, timezone.now() - timedelta(seconds=lost_after_seconds() + 5))
+    assert [n.pk for n in nodes_mark_lost()] == [node.pk]
+    # Launched seconds ago and its job released just now, yet retired at once.
+    assert [i.pk for i in idle_instances(idle_seconds=600)] == [instance.pk]
+    other, other_token = register(join_token, "other", "key-other-000")
+    job.refresh_from_db()
+    allocation_commit(job=job, requests=[GpuRequest(node=other, gpu_indices=(0,))])
+    assert starts(other_token) == []
+    CloudInstance.objects.filter(pk=instance.pk).update(state=InstanceState.TERMINATED)  # the provider confirms
+    assert starts(other_token) == [str(job.pk)]
