@@ -48,8 +48,8 @@ THROTTLED = OpenApiResponse(
 class WhaleZenAutoSchema(AutoSchema):
     """Adds the error responses every API operation can give to what the view documents itself.
 
-    401: no, invalid, expired or revoked token. 403: not a tenant member, or a viewer / read-only token
-    writing. 404: an object that does not exist or belongs to another tenant, or a page past the end.
+    401: no, invalid, expired or revoked token. 403: not a tenant member, a viewer / read-only token
+    writing, or a member changing another user's object. 404: an object that does not exist or belongs to another tenant, or a page past the end.
     400: bad request body or filter values.
     """
 
@@ -57,7 +57,8 @@ class WhaleZenAutoSchema(AutoSchema):
         responses = super()._get_response_bodies(direction)
         errors = {
             "401": OpenApiResponse(ErrorDetailSerializer, description="Missing, invalid, expired or revoked token."),
-            "403": OpenApiResponse(ErrorDetailSerializer, description="Not allowed for this role or token scope."),
+            "403": OpenApiResponse(ErrorDetailSerializer, description="Not allowed for this role or token scope, "
+                                   "or (members) another user's job or token."),
         }
         if "{" in self.path or (self._is_list_view() and self._get_paginator() is not None):
             errors["404"] = OpenApiResponse(ErrorDetailSerializer,
