@@ -22,6 +22,7 @@ from broker.inventory.models import Node, NodeState
 from broker.inventory.services import pool_join_token_issue
 from broker.jobs.models import Allocation, Job, JobEvent
 from broker.jobs.states import JobState
+from broker.ops.web import web_command
 
 from .test_api_tenancy import submit
 from .test_worker_faults import ROOT, PrivateRedis, free_port, this_test_database_url, wait_until, with_real_services
@@ -69,7 +70,7 @@ class Broker:
         self.processes: list[subprocess.Popen] = []
 
     def start(self, round_: int) -> None:
-        web = [sys.executable, "manage.py", "runserver", f"127.0.0.1:{self.port}", "--noreload"]
+        web = web_command(host="127.0.0.1", port=self.port)
         worker = [sys.executable, "-m", "celery", "-A", "broker", "worker", "--pool", "solo", "-n",
                   f"outage{round_}@%h", "--loglevel", "INFO", "-B", "-s", str(self.tmp_path / f"beat-{round_}")]
         self.processes = [start_group(web, self.env, self.tmp_path / "web.log"),
@@ -135,6 +136,11 @@ def test_a_broker_outage_longer_than_the_lost_limit_restarts_no_job(acme, tmp_pa
     assert Allocation.objects.filter(job=job).count() == 1
     assert JobEvent.objects.filter(job=job, kind="agent", reason_code="AGENT_RUNNING").count() == 1
     assert len(starts.read_text().splitlines()) == 1, "the job's process started more than once"
+    # An outage shorter than the agents' fence-after (900 s) stops nothing on the agent's side either.
+    assert not JobEvent.objects.filter(job=job, data__reason="fenced").exists()
+    agent_log = (tmp_path / "agent.log").read_text()
+    assert "no call from this agent for 900 s (--fence-after-seconds)" in agent_log  # what it ran with
+    assert "cannot run twice" not in agent_log  # and it never fenced
 
 
 def copy_log_command(log: Path, seconds: int) -> list[str]:
