@@ -1,6 +1,6 @@
 """What one small hostile request costs the real web server: the YAML alias bomb of issue 8.
 
-Starts the web server `make run` starts (`manage.py runserver`, on a fresh SQLite database with the
+Starts the web server `make run` starts (`broker.ops.web.web_command`, on a fresh SQLite database with the
 demo data in a temporary folder), sends the bomb (anchors a0..a7, each a list of nine aliases of the
 previous, used as one field's value) to the anonymous `/api/v1/agent/register` (with an invalid join
 token, as `hostname`) and to `POST /api/v1/jobs/` (with a demo token, as `resources.interconnect`),
@@ -25,6 +25,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from broker.ops.web import web_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +101,7 @@ def measure(runs: int, timeout_s: float) -> dict:
         token = next(line.split()[2] for line in seeded.splitlines() if line.startswith("TOKEN acme "))
         port = _free_port()
         base = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"],
+        server = subprocess.Popen(web_command(host="127.0.0.1", port=port),
                                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         routes = {"register": (f"{base}/api/v1/agent/register", alias_bomb(), {}),
                   "jobs": (f"{base}/api/v1/jobs/", job_alias_bomb(), {"Authorization": f"Bearer {token}"})}

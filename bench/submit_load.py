@@ -1,6 +1,6 @@
 """Job submissions per second through the real web server on the embedded default (SQLite).
 
-Starts what `make run` starts, minus the demo agents (`manage.py serve --no-agents`: `runserver` plus
+Starts what `make run` starts, minus the demo agents (`manage.py serve --no-agents`: the web server plus
 the Celery worker and beat, whose scheduling cycles write to the same database), on a fresh SQLite
 database with the demo data in a temporary folder, then fires `--requests` job submissions from
 `--concurrency` threads (loopback only) with the demo tokens and counts the answers.
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.hostile_input import _free_port, _wait_up
+from broker.ops.web import web_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"name": "load", "command": ["python", "-c", "pass"], "resources": {"gpus": 1},
@@ -65,7 +66,7 @@ def seeded_server(var_dir: Path, *, worker: bool = True) -> Iterator[Server]:
     if worker:
         command = ["manage.py", "serve", "--no-agents", "--host", "127.0.0.1", "--port", str(port)]
     else:
-        command = ["manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"]
+        command = web_command(host="127.0.0.1", port=port)[1:]
     log = open(var_dir / "server.log", "ab")
     # Its own process group: serve's children (web, worker) stop with it even if it is killed.
     process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=log,

@@ -15,6 +15,20 @@ import dj_database_url
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("WHALEZEN_VAR_DIR", BASE_DIR / "var"))
 
+
+def _close_var_dir(path: Path) -> None:
+    """The var dir holds the embedded database, logs and the demo agents' folders, and on a demo
+    machine jobs run there as another user: they may pass through it (their work dirs are inside)
+    but never list it; what it holds is closed file by file (the database is 0600, broker.sqlite)."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.chmod(0o711)
+    except PermissionError:  # not ours (a shared, read-only checkout): leave it as its owner set it
+        pass
+
+
+_close_var_dir(VAR_DIR)
+
 ENVIRONMENT = os.environ.get("DJANGO_ENV", "development")
 PRODUCTION = ENVIRONMENT == "production"
 
@@ -94,7 +108,6 @@ DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
 else:
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
         "default": {
             # Django's SQLite backend, with one process's writers queued on a lock (see its docstring).
@@ -140,6 +153,7 @@ AXES_FAILURE_LIMIT = int(os.environ.get("WHALEZEN_LOGIN_FAILURE_LIMIT", 5))
 AXES_COOLOFF_TIME = timedelta(minutes=int(os.environ.get("WHALEZEN_LOGIN_COOLOFF_MINUTES", 15)))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False  # no "AXES: BEGIN ..." banner on every manage.py command
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

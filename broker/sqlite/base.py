@@ -39,6 +39,19 @@ def _fresh_locks_in_child() -> None:
 os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
+def _owner_only(path: str) -> None:
+    """The database holds every tenant's jobs and their env: readable by the broker's user only
+    (jobs on a demo node run on this machine as another user). SQLite gives its -wal and -shm files
+    the database's mode when it creates them, but they may exist already."""
+    for name in (path, f"{path}-wal", f"{path}-shm"):
+        try:
+            os.chmod(name, 0o600)
+        except FileNotFoundError:
+            pass
+        except PermissionError:  # another user's database file: SQLite would refuse writes anyway
+            pass
+
+
 class DatabaseWrapper(base.DatabaseWrapper):
     _held_lock: threading.Lock | None = None
 
@@ -71,6 +84,12 @@ class DatabaseWrapper(base.DatabaseWrapper):
             super()._rollback()
         finally:
             self._release_write_lock()
+
+    def get_new_connection(self, conn_params):
+        connection = super().get_new_connection(conn_params)
+        if not self.is_in_memory_db():
+            _owner_only(str(self.settings_dict["NAME"]))
+        return connection
 
     def _close(self) -> None:
         try:

@@ -29,6 +29,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from broker.ops.demo_agents import start_demo_agents, stop_demo_agents, stop_simulated_cloud
 from broker.ops.services import local_instances_recover
+from broker.ops.web import web_command
 from broker.ops.supervisor import Backoff, ChildSpec, Supervisor, signal_on_parent_death, stop_leftovers
 
 
@@ -57,6 +58,7 @@ class Command(BaseCommand):
         var_dir = Path(settings.VAR_DIR)
         log_dir = var_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.chmod(0o700)  # logs name jobs and nodes of every tenant; jobs on demo nodes run on this machine
         self._log_file: IO[str] = (log_dir / "serve.log").open("a")
         lock = self._lock(var_dir / "serve.lock")
         self._stop_signal: int | None = None
@@ -101,8 +103,8 @@ class Command(BaseCommand):
         env = {**os.environ, "WHALEZEN_PUBLIC_URL": os.environ.get("WHALEZEN_PUBLIC_URL", url),
                "PORT": str(options["port"])}
         python, root = sys.executable, Path(settings.BASE_DIR)
-        specs = [ChildSpec("web", [python, "manage.py", "runserver", f"{options['host']}:{options['port']}",
-                                   "--noreload"], env, log_dir / "web.log", cwd=root)]
+        specs = [ChildSpec("web", web_command(host=options["host"], port=options["port"], python=python), env,
+                           log_dir / "web.log", cwd=root)]
         if not options["no_worker"]:
             celery = [python, "-m", "celery", "-A", "broker"]
             specs.append(ChildSpec("worker", celery + ["worker", "--pool", "solo", "--loglevel", "INFO"], env,
