@@ -113,6 +113,10 @@ else:
             # Django's SQLite backend, with one process's writers queued on a lock (see its docstring).
             "ENGINE": "broker.sqlite",
             "NAME": VAR_DIR / "whalezen.sqlite3",
+            # Tests in memory, as Django does for its own SQLite engine; said explicitly because
+            # pytest-django's xdist support recognises only that engine's name, and would otherwise
+            # give each worker a file beside the real database.
+            "TEST": {"NAME": ":memory:"},
             "OPTIONS": {
                 # SQLite serialises writers; wait up to this many seconds for the lock instead of failing.
                 "timeout": 20,

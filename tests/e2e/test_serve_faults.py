@@ -68,10 +68,12 @@ def test_killed_beat_is_restarted_healthz_says_so_meanwhile_and_scheduling_resum
     stale = wait_for(lambda: (h := health(service.base)) and h[0] == 503 and h[1], RESTART_DELAY_S + 5,
                      "/healthz to report the stale scheduler", interval=0.3)
     assert stale["checks"]["scheduler"].startswith("stale: last run"), stale
-    wait_for(lambda: state(service, job) in PLACED_OR_LATER, 90, "the job submitted while beat was down to be placed")
+    # serve notices at once and restarts beat after its delay; the job may be placed before that (its
+    # submission enqueues a cycle itself), so wait for the new beat rather than infer it.
+    wait_for(lambda: service.children()["beat"] != beat, RESTART_DELAY_S + 30, "serve to start a new beat")
     log = service.log()
     assert f"beat (pid {beat}) killed by SIGKILL" in log and f"restarting in {RESTART_DELAY_S} s" in log
-    assert service.children()["beat"] != beat
+    wait_for(lambda: state(service, job) in PLACED_OR_LATER, 90, "the job submitted while beat was down to be placed")
     wait_for(lambda: (h := health(service.base)) and h[0] == 200, 60, "/healthz to be healthy again")
     assert (service.var_dir / "logs" / "serve.log").read_text().count(f"beat (pid {beat}) killed by SIGKILL") == 1
 
