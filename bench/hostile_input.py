@@ -9,7 +9,8 @@ and prints each answer's status, size and time and how much the server's memory 
     .venv/bin/python -m bench.hostile_input [--runs 3] [--json]
 
 The last line with --json is one JSON object: {"register": R, "jobs": R} where R is {"bytes_sent",
-"status", "response_bytes", "seconds" (median), "rss_growth_mb" (growth after that route's runs)}.
+"status", "response_bytes", "seconds" (median), "rss_growth_mb" (growth of the server process and its
+children over that route's runs)}.
 """
 from __future__ import annotations
 
@@ -59,11 +60,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+def _own_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of the server: its process and every descendant (gunicorn's worker is a
+    child of its arbiter, and it is the worker that parses requests)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += _own_rss_mb(current)
+        todo += _children(current)
+    return total
 
 
 def _wait_up(base: str, timeout: float = 60) -> None:
