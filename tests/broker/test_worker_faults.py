@@ -76,7 +76,16 @@ def start_worker(env: dict, tmp_path: Path, name: str, beat: bool) -> subprocess
     if beat:
         argv += ["-B", "-s", str(tmp_path / f"beat-{name}")]
     log = open(tmp_path / f"{name}.log", "ab")
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Its own process group: `-B` runs beat as a child, which must not outlive a killed worker and
+    # go on queuing tasks for the rest of the suite.
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -86,6 +95,7 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
+    kill_group(process)  # whatever of its group is left (beat, a stuck child)
 
 
 def placed(job: Job) -> bool:
@@ -142,7 +152,7 @@ def test_no_job_is_lost_across_redis_restarts_killed_and_concurrent_workers(acme
         redis.start()
         wait_until(lambda: placed(during), 90, "a job submitted while Redis was down to be placed")
 
-        workers[0].send_signal(signal.SIGKILL)  # mid-whatever: no clean shutdown, lease left held
+        kill_group(workers[0])  # mid-whatever: no clean shutdown, lease left held
         workers[0].wait(timeout=20)
         after_kill = submit(acme, name="after-kill", resources={"gpus": 1})
         workers.append(start_worker(env, tmp_path, "b", beat=True))
