@@ -7,6 +7,8 @@ they are simply reconsidered next cycle.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,6 +25,7 @@ from broker.jobs.states import JobState
 from broker.provisioning.offers import OfferRef, cloud_offers, pool_launch_limits
 from broker.provisioning.services import InstanceCapReached, launch_request
 from broker.scheduler.models import CycleLease, CycleRecord
+from providers.local.processes import process_start_time
 from broker.scheduler.snapshot import tenant_snapshot
 from broker.tenancy.models import Tenant
 from scheduling import model as sm
@@ -46,11 +49,35 @@ class CycleOutcome:
     plan: sm.Plan | None = None
 
 
+_HOST = socket.gethostname()[:24]
+
+
+def lease_holder_name() -> str:
+    """`host|pid|process start time|random`: unique per cycle, and it says which process holds it."""
+    pid = os.getpid()
+    return f"{_HOST}|{pid}|{process_start_time(pid)}|{uuid.uuid4().hex[:12]}"
+
+
+def _holder_died_here(holder: str) -> bool:
+    """Whether `holder` was a process of this machine that no longer runs (pid and start time, so a
+    reused pid is not mistaken for it). A holder elsewhere, or of another form, may be alive."""
+    parts = holder.split("|")
+    if len(parts) != 4 or parts[0] != _HOST or not parts[1].isdigit():
+        return False
+    return str(process_start_time(int(parts[1]))) != parts[2]
+
+
 def _lease_acquire(tenant: Tenant, holder: str) -> int | None:
-    """Take the tenant's cycle lease if free or expired; the cycle number, or None when another runs."""
+    """Take the tenant's cycle lease if free, expired, or held by a process of this machine that died
+    (a worker SIGKILLed mid-cycle: its restarted successor need not wait out the lease, up to
+    WHALEZEN_CYCLE_LEASE_SECONDS, before it schedules again); the cycle number, or None when another
+    runs."""
     now = timezone.now()
-    CycleLease.objects.get_or_create(tenant=tenant)
-    taken = CycleLease.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__lt=now), tenant=tenant).update(
+    lease, _ = CycleLease.objects.get_or_create(tenant=tenant)
+    takeable = Q(expires_at__isnull=True) | Q(expires_at__lt=now)
+    if lease.holder and _holder_died_here(lease.holder):
+        takeable |= Q(holder=lease.holder)  # compare-and-set: only if that dead holder still has it
+    taken = CycleLease.objects.filter(takeable, tenant=tenant).update(
         holder=holder, expires_at=now + timedelta(seconds=settings.WHALEZEN_CYCLE_LEASE_SECONDS), cycles=F("cycles") + 1)
     if not taken:
         return None
@@ -62,7 +89,7 @@ def _lease_release(tenant: Tenant, holder: str) -> None:
 
 
 def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -> CycleOutcome:
-    holder = uuid.uuid4().hex
+    holder = lease_holder_name()
     cycle_number = _lease_acquire(tenant, holder)
     if cycle_number is None:
         return CycleOutcome(ran=False)

@@ -1,6 +1,8 @@
 """The broker's scheduling cycle: snapshot of one tenant → engine → allocations, reasons, preemptions."""
 from __future__ import annotations
 
+import os
+import subprocess
 from datetime import timedelta
 
 from django.utils import timezone
@@ -9,8 +11,9 @@ from broker.jobs.models import Job, JobEvent
 from broker.jobs.services import GpuRequest, allocation_commit, job_transition
 from broker.jobs.states import JobState
 from broker.scheduler.models import CycleLease, CycleRecord
-from broker.scheduler.services import _lease_acquire, scheduling_cycle_run
+from broker.scheduler.services import _lease_acquire, lease_holder_name, scheduling_cycle_run
 from broker.scheduler.snapshot import tenant_snapshot
+from providers.local.processes import process_start_time
 
 from .test_api_tenancy import submit
 
@@ -93,6 +96,24 @@ def test_a_cycle_does_not_run_while_another_holds_the_lease(acme):
     assert scheduling_cycle_run(tenant=acme.tenant).ran is False
     CycleLease.objects.filter(tenant=acme.tenant).update(expires_at=timezone.now() - timedelta(seconds=1))
     assert scheduling_cycle_run(tenant=acme.tenant).ran is True, "an expired lease (dead worker) is taken over"
+
+
+def test_a_lease_held_by_a_dead_process_of_this_machine_is_taken_over_at_once(acme):
+    """A worker SIGKILLed mid-cycle leaves its lease held for WHALEZEN_CYCLE_LEASE_SECONDS; its
+    restarted successor on the same machine takes it over without waiting, a live holder keeps it."""
+    submit(acme)
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        live = f"{lease_holder_name().split('|')[0]}|{child.pid}|{process_start_time(child.pid)}|x"
+        assert _lease_acquire(acme.tenant, live) is not None
+        assert scheduling_cycle_run(tenant=acme.tenant).ran is False, "the holder still runs"
+    finally:
+        child.kill()
+        child.wait()
+    assert scheduling_cycle_run(tenant=acme.tenant).ran is True, "its holder died: no need to wait for expiry"
+    other_host = f"elsewhere|{os.getpid()}|1|x"
+    assert _lease_acquire(acme.tenant, other_host) is not None
+    assert scheduling_cycle_run(tenant=acme.tenant).ran is False, "another machine's holder may be alive"
 
 
 def test_a_job_its_node_never_starts_is_placed_again(acme, settings):

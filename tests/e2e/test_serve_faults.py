@@ -24,7 +24,7 @@ RESTART_DELAY_S = 8  # long enough to see /healthz report the stale scheduler (3
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     var_dir = tmp_path_factory.mktemp("serve-faults") / "var"
-    # A worker SIGKILLed mid-cycle keeps its tenant's cycle lease until it expires (120 s by default).
+    # A lease left by a killed worker is taken over at once on the same machine; a short expiry as a backstop.
     with backends(var_dir, WHALEZEN_CYCLE_LEASE_SECONDS="10") as env:
         yield from _service(var_dir, env)
 
