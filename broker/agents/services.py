@@ -93,10 +93,10 @@ def _join_target(join_token: str) -> tuple[Pool, CloudInstance | None]:
     """
     digest = tokens.digest(join_token)
     if join_token.startswith("wzi_"):
-        from broker.provisioning.services import INSTANCE_LIVE_STATES  # the provisioning app owns instances
+        from broker.provisioning.offers import LIVE_INSTANCE_STATES  # the provisioning app owns instances
 
         instance = (CloudInstance.objects.select_related("pool")
-                    .filter(join_token_hash=digest, state__in=INSTANCE_LIVE_STATES).first())
+                    .filter(join_token_hash=digest, state__in=LIVE_INSTANCE_STATES).first())
         if instance is not None and hmac.compare_digest(instance.join_token_hash, digest) and instance.pool.enabled:
             return instance.pool, instance
         raise JoinRefused("Invalid join token.")
@@ -242,12 +242,12 @@ def node_given_up(node: Node) -> str | None:
     presents its old credentials may bring it back and be handed jobs (issue 8: a re-registered
     instance took over a healthy instance's job). On-prem nodes come back from LOST by themselves.
     """
-    from broker.provisioning.services import INSTANCE_LIVE_STATES
+    from broker.provisioning.offers import LIVE_INSTANCE_STATES
 
     instance_state = CloudInstance.objects.filter(node=node).values_list("state", flat=True).first()
     if instance_state is None:
         return None
-    if instance_state not in INSTANCE_LIVE_STATES:
+    if instance_state not in LIVE_INSTANCE_STATES:
         return f"its cloud instance is {instance_state}"
     if node.state in (NodeState.LOST, NodeState.OFFLINE):  # callers pass a row they just read
         return f"the node is {node.state}"

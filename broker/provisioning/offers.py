@@ -24,6 +24,8 @@ from scheduling import model as sm
 
 log = logging.getLogger(__name__)
 CLOUD_KINDS = (PoolKind.AWS, PoolKind.GCP, PoolKind.LOCAL)
+# An instance in any other state is one the broker gave up on (or never had): its one-time token
+# admits nothing and its node never comes back (broker.agents.services.node_given_up).
 LIVE_INSTANCE_STATES = (InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING)
 # What counts against a pool's max_instances: everything we may be paying for, so an instance
 # whose termination the provider has not confirmed yet still holds its place.

@@ -23,7 +23,7 @@ from broker.jobs.models import Job
 from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_transition, jobs_requeue_on_node
 from broker.jobs.states import ACTIVE_STATES, JobState
 from broker.provisioning.factory import provider_for_pool
-from broker.provisioning.offers import OfferRef, pool_instances_capped
+from broker.provisioning.offers import LIVE_INSTANCE_STATES, OfferRef, pool_instances_capped
 from broker.tenancy import tokens
 from providers.base import InstanceRef, InstanceState as ProviderState, ProviderError, ProvisionRequest, \
     derive_request_key
@@ -60,11 +60,6 @@ def instance_join_token(instance: CloudInstance) -> str:
     return f"wzi_{instance.request_key[-8:].rjust(8, '0')}_{mac.hexdigest()}"
 
 
-# An instance in any other state is one the broker gave up on (or never had): its token admits
-# nothing and its node never comes back (broker.agents.services.node_given_up).
-INSTANCE_LIVE_STATES = (InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING)
-
-
 def instance_join_token_consume(*, instance: CloudInstance, join_token: str) -> bool:
     """Use up an instance's one-time join token: True for exactly one caller, ever.
 
@@ -73,7 +68,7 @@ def instance_join_token_consume(*, instance: CloudInstance, join_token: str) -> 
     """
     digest = tokens.digest(join_token)
     return CloudInstance.objects.filter(pk=instance.pk, join_token_hash=digest,
-                                        state__in=INSTANCE_LIVE_STATES).update(join_token_hash="") == 1
+                                        state__in=LIVE_INSTANCE_STATES).update(join_token_hash="") == 1
 
 
 def launch_request(*, launch: sm.Launch, ref: OfferRef, plan: sm.Plan, jobs: dict[str, Job]) -> LaunchResult:
