@@ -39,10 +39,17 @@ def _fresh_locks_in_child() -> None:
 os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
+_closed_files: set[str] = set()
+
+
 def _owner_only(path: str) -> None:
     """The database holds every tenant's jobs and their env: readable by the broker's user only
     (jobs on a demo node run on this machine as another user). SQLite gives its -wal and -shm files
-    the database's mode when it creates them, but they may exist already."""
+    the database's mode whenever it creates them again, so once per process is enough: a connection
+    is opened per request, and these chmods need not be."""
+    if path in _closed_files:
+        return
+    _closed_files.add(path)
     for name in (path, f"{path}-wal", f"{path}-shm"):
         try:
             os.chmod(name, 0o600)
