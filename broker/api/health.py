@@ -2,7 +2,7 @@
 
 Besides the database, it checks that the periodic sweeps that keep the service moving still run: a
 dead beat or worker leaves the web server up while nothing is scheduled and no node is marked LOST.
-A sweep is stale when its last completed run is older than three of its periods (beat schedule in
+A sweep is stale when its last recorded run is older than three of its periods (beat schedule in
 settings); the grace for a service that just started counts from when this web process started.
 Anonymous and probed often: one query, on a table with a row per periodic task.
 """

@@ -4,8 +4,9 @@ Issue 8 item 6: the broker was killed for about 50 s while its agents ran on; th
 found every heartbeat older than the limit and marked the node LOST. Seen from the database, the
 broker being down looks exactly like every node going quiet, so the sweep keeps its own clock:
 
-- Each run of the lost-node sweep is recorded (`ops.PeriodicRun`, the row /healthz also reads). A gap between two runs longer than
-  the heartbeat-loss limit means the worker or its beat was down: the broker resumed at this run.
+- Each run of the lost-node sweep is recorded (`ops.PeriodicRun`, the row /healthz also reads). A
+  gap between two runs longer than the heartbeat-loss limit means the worker or its beat was down:
+  the broker resumed at this run.
 - Agents reach the broker through the web server, which can be down while the worker runs. When
   every agent node is silent past the limit at once, the sweep asks the URL the agents use
   (`WHALEZEN_BROKER_PROBE_URL`) whether it answers at all; if it does not, the broker is down in
