@@ -119,6 +119,11 @@ class Gpu(models.Model):
     # a `gpu_fraction` job holds ceil(fraction * SLOTS). The database refuses a slot held twice.
     SLOTS = 10
 
+    @classmethod
+    def slots_for(cls, milli: int) -> int:
+        """Slots a share of `milli` thousandths of a GPU holds: rounded up, at least one, at most all."""
+        return min(cls.SLOTS, max(1, -(-milli * cls.SLOTS // 1000)))
+
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
     index = models.PositiveSmallIntegerField()
     uuid = models.CharField(max_length=64, blank=True)

@@ -5,14 +5,13 @@ it is still in the state the caller saw, and appends a JobEvent in the same tran
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Count, F, Sum
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
@@ -179,10 +178,6 @@ class GpuRequest:
     milli: int = 1000
 
 
-def _slots_for(milli: int) -> int:
-    return min(Gpu.SLOTS, max(1, math.ceil(milli * Gpu.SLOTS / 1000)))
-
-
 def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: str = JobState.PENDING,
                       to_state: str = JobState.PLACED) -> list[Allocation]:
     """Give `job` the requested GPUs and move it to `to_state` (PLACED), or change nothing.
@@ -203,19 +198,23 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
                     raise JobError("A node of another tenant cannot be allocated.", field="node")
                 if node.state != NodeState.ONLINE:
                     raise JobError(f"Node {node.name} is {node.state}.", field="node")
-            _check_gpu_quota(job=job, adding=sum(len(r.gpu_indices) for r in requests if r.milli >= 1000))
-            allocations = []
+            wanted: list[tuple[GpuRequest, list[Gpu]]] = []
             for req in requests:
-                gpus = list(Gpu.objects.filter(node_id=req.node.pk, index__in=req.gpu_indices))
+                gpus = list(Gpu.objects.filter(node_id=req.node.pk, index__in=req.gpu_indices)
+                            .select_related("model"))
                 if len(gpus) != len(set(req.gpu_indices)):
                     raise JobError(f"Node {req.node.name} has no GPU index among {list(req.gpu_indices)}.",
                                    field="gpus")
                 if any(g.health == GpuHealth.FAILED for g in gpus):
                     raise JobError(f"A requested GPU on {req.node.name} has failed.", field="gpus")
+                wanted.append((req, gpus))
+            _check_quota(job=job, adding=[(gpu, Gpu.slots_for(req.milli)) for req, gpus in wanted for gpu in gpus])
+            allocations = []
+            for req, gpus in wanted:
                 node = nodes[req.node.pk]
                 Node.objects.filter(pk=node.pk).update(epoch=F("epoch") + 1)
                 alloc = Allocation.objects.create(job=job, node=node, epoch=node.epoch + 1)
-                slot_count = _slots_for(req.milli)
+                slot_count = Gpu.slots_for(req.milli)
                 slices = []
                 for gpu in gpus:
                     taken = set(AllocationSlice.objects.filter(gpu=gpu, active=True).values_list("slot", flat=True))
@@ -235,16 +234,34 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
         raise DoubleBooking() from exc
 
 
-def _check_gpu_quota(*, job: Job, adding: int) -> None:
+def _check_quota(*, job: Job, adding: list[tuple[Gpu, int]]) -> None:
+    """Refuse what would take the tenant past its GPU or compute-unit quota.
+
+    Both count shares, in slots (docs/job-spec.md, "Quotas"): a job holding half of a GPU counts 0.5
+    GPU and half of that GPU's compute units, as the engine counts it (`Pricing.gpu_share`), so two
+    half-GPU jobs fit a quota of one GPU and a third does not, wherever they are placed.
+    """
     quota = Quota.objects.filter(tenant_id=job.tenant_id).first()
-    if quota is None or not quota.max_gpus:
+    if quota is None or not (quota.max_gpus or quota.max_compute_units):
         return
-    in_use = (AllocationSlice.objects.filter(active=True, allocation__job__tenant_id=job.tenant_id,
-                                             allocation__job__state__in=ACTIVE_STATES)
-              .values("gpu").distinct().count())
-    if in_use + adding > quota.max_gpus:
-        raise JobError(f"GPU quota exceeded: {in_use} in use + {adding} > {quota.max_gpus}.",
-                       field="resources", code="quota")
+    held = AllocationSlice.objects.filter(active=True, allocation__job__tenant_id=job.tenant_id,
+                                          allocation__job__state__in=ACTIVE_STATES)
+    usage = held.aggregate(slots=Count("id"), cu=Sum("gpu__model__compute_units"))
+    in_use_slots, adding_slots = usage["slots"] or 0, sum(slots for _, slots in adding)
+    if quota.max_gpus and in_use_slots + adding_slots > quota.max_gpus * Gpu.SLOTS:
+        raise JobError(f"GPU quota exceeded: {_gpus(in_use_slots)} in use + {_gpus(adding_slots)} "
+                       f"> {quota.max_gpus}.", field="resources", code="quota")
+    if quota.max_compute_units:
+        in_use_cu = (usage["cu"] or Decimal(0)) / Gpu.SLOTS
+        adding_cu = sum((gpu.model.compute_units if gpu.model else Decimal(0)) * slots
+                        for gpu, slots in adding) / Gpu.SLOTS
+        if in_use_cu + adding_cu > quota.max_compute_units:
+            raise JobError(f"Compute-unit quota exceeded: {in_use_cu:g} in use + {adding_cu:g} "
+                           f"> {quota.max_compute_units:g}.", field="resources", code="quota")
+
+
+def _gpus(slots: int) -> str:
+    return f"{slots / Gpu.SLOTS:g}"
 
 
 def _release_allocations(*, job: Job, stop_unconfirmed: bool = False) -> int:

@@ -34,7 +34,8 @@ def job_demand(job: Job) -> sm.JobDemand:
         tenant=job.tenant.slug,
         gpus=job.gpu_count * job.node_count,
         compute_units=float(job.compute_units) if job.compute_units is not None else None,
-        gpu_milli=job.gpu_milli,
+        # A share is held in whole slots (Gpu.slots_for): the engine sees what the commit will take.
+        gpu_milli=min(1000, Gpu.slots_for(job.gpu_milli) * MILLI_PER_SLOT) if job.gpu_milli > 0 else 0,
         allowed_models=tuple(job.gpu_models),
         min_gpu_memory_mb=job.min_gpu_memory_gb * 1024,
         interconnect=job.interconnect,

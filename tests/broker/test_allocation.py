@@ -4,9 +4,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import close_old_connections, connection
+from django.db import IntegrityError, close_old_connections, connection, transaction
 
-from broker.jobs.models import AllocationSlice, Job
+from broker.jobs.models import Allocation, AllocationSlice, Job
 from broker.jobs.services import DoubleBooking, GpuRequest, JobError, allocation_commit, job_cancel
 from broker.jobs.states import JobState
 
@@ -95,3 +95,83 @@ def test_two_transactions_racing_for_one_gpu_exactly_one_succeeds(acme):
         assert sorted(results) == ["ok", "refused"]
         holders = AllocationSlice.objects.filter(gpu__node=node, gpu__index=round_, active=True)
         assert holders.values("allocation__job").distinct().count() == 1
+
+
+def _slice_on(acme, *, gpu_index: int, slot: int, active: bool = True) -> AllocationSlice:
+    """A slot row written straight through the ORM: no service, no lock, no check of ours in the way."""
+    node = acme.nodes[0]
+    job = submit(acme, name=f"raw-{gpu_index}-{slot}-{AllocationSlice.objects.count()}")
+    alloc = Allocation.objects.create(job=job, node=node, epoch=node.epoch)
+    return AllocationSlice.objects.create(allocation=alloc, gpu=node.gpus.get(index=gpu_index), slot=slot,
+                                          active=active)
+
+
+def test_the_database_itself_refuses_a_second_active_holder_of_a_slot(acme):
+    """The promise is the database's (partial unique index), not the service's: bypass the service."""
+    _slice_on(acme, gpu_index=0, slot=3)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        _slice_on(acme, gpu_index=0, slot=3)
+    assert AllocationSlice.objects.filter(gpu__node=acme.nodes[0], gpu__index=0, slot=3, active=True).count() == 1
+
+
+def test_the_unique_index_is_partial_released_slots_do_not_block(acme):
+    _slice_on(acme, gpu_index=1, slot=0, active=False)
+    _slice_on(acme, gpu_index=1, slot=0, active=False)  # released twice over: history, not holders
+    _slice_on(acme, gpu_index=1, slot=0)  # and the slot can be held again
+    _slice_on(acme, gpu_index=1, slot=1)  # another slot of the same GPU is another holder
+    _slice_on(acme, gpu_index=2, slot=0)  # the same slot of another GPU too
+    assert AllocationSlice.objects.filter(gpu__node=acme.nodes[0], active=True).count() == 3
+
+
+def _half(acme, name: str) -> Job:
+    return submit(acme, name=name, resources={"gpu_fraction": 0.5})
+
+
+def test_fractional_jobs_count_their_share_against_the_gpu_quota(acme):
+    """Documented in docs/job-spec.md: a share of a GPU counts as that share (slots held / slots per GPU)."""
+    acme.tenant.quota.max_gpus = 1
+    acme.tenant.quota.save()
+    node = acme.nodes[0]
+    first, second, third = _half(acme, "h1"), _half(acme, "h2"), _half(acme, "h3")
+    allocation_commit(job=first, requests=[GpuRequest(node=node, gpu_indices=(0,), milli=500)])
+    allocation_commit(job=second, requests=[GpuRequest(node=node, gpu_indices=(1,), milli=500)])  # 1.0 in all
+    with pytest.raises(JobError, match="quota") as caught:
+        allocation_commit(job=third, requests=[GpuRequest(node=node, gpu_indices=(2,), milli=500)])
+    assert caught.value.code == "quota"
+    third.refresh_from_db()
+    assert third.state == JobState.PENDING
+    assert not AllocationSlice.objects.filter(allocation__job=third).exists()
+
+
+def test_a_fraction_beside_a_whole_gpu_is_over_a_quota_of_one(acme):
+    acme.tenant.quota.max_gpus = 1
+    acme.tenant.quota.save()
+    node = acme.nodes[0]
+    whole, half = submit(acme, name="whole"), _half(acme, "half")
+    allocation_commit(job=whole, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    with pytest.raises(JobError, match="quota"):
+        allocation_commit(job=half, requests=[GpuRequest(node=node, gpu_indices=(1,), milli=500)])
+
+
+def test_a_whole_gpu_beside_a_fraction_is_over_a_quota_of_one(acme):
+    acme.tenant.quota.max_gpus = 1
+    acme.tenant.quota.save()
+    node = acme.nodes[0]
+    half, whole = _half(acme, "half"), submit(acme, name="whole")
+    allocation_commit(job=half, requests=[GpuRequest(node=node, gpu_indices=(0,), milli=500)])
+    with pytest.raises(JobError, match="quota"):
+        allocation_commit(job=whole, requests=[GpuRequest(node=node, gpu_indices=(1,))])
+
+
+def test_the_compute_unit_quota_is_enforced_at_allocation_too(acme):
+    """A commit that did not go through the engine (or raced it) cannot pass a compute-unit quota."""
+    rating = acme.nodes[0].gpus.first().model.compute_units
+    acme.tenant.quota.max_compute_units = rating * 3 / 2  # one and a half A100s' worth
+    acme.tenant.quota.save()
+    node = acme.nodes[0]
+    whole, half, another = submit(acme, name="w"), _half(acme, "h"), _half(acme, "h2")
+    allocation_commit(job=whole, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    allocation_commit(job=half, requests=[GpuRequest(node=node, gpu_indices=(1,), milli=500)])
+    with pytest.raises(JobError, match="Compute-unit quota") as caught:
+        allocation_commit(job=another, requests=[GpuRequest(node=node, gpu_indices=(2,), milli=500)])
+    assert caught.value.field == "resources"

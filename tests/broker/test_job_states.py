@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import re
 import threading
+from pathlib import Path
 
 import pytest
 from django.db import close_old_connections, connection
@@ -14,8 +16,40 @@ from broker.jobs.states import LEGAL_TRANSITIONS, TERMINAL_STATES, JobState
 from .conftest import requires_postgres
 from .test_api_tenancy import submit
 
-ALL_STATES = [s.value for s in JobState]
-ILLEGAL = [(a, b) for a, b in itertools.product(ALL_STATES, ALL_STATES) if b not in LEGAL_TRANSITIONS[a]]
+# The legal edges, written out by hand. Not derived from LEGAL_TRANSITIONS: a test that reads its
+# expectation from the code under test passes whatever the code says. docs/job-spec.md carries the same
+# table for users, and `test_the_state_table_is_the_documented_one` holds all three to each other.
+EXPECTED_EDGES: dict[str, set[str]] = {
+    "PENDING": {"PLACED", "CANCELLED", "FAILED"},
+    "PLACED": {"PROVISIONING", "STARTING", "PENDING", "CANCELLED", "FAILED"},
+    "PROVISIONING": {"STARTING", "PENDING", "CANCELLED", "FAILED"},
+    "STARTING": {"RUNNING", "PENDING", "SUCCEEDED", "FAILED", "CANCELLED"},
+    "RUNNING": {"CHECKPOINTING", "PREEMPTED", "PENDING", "SUCCEEDED", "FAILED", "CANCELLED"},
+    "CHECKPOINTING": {"RUNNING", "MIGRATING", "PREEMPTED", "SUCCEEDED", "FAILED", "CANCELLED"},
+    "MIGRATING": {"PLACED", "PENDING", "FAILED", "CANCELLED"},
+    "PREEMPTED": {"PENDING", "CANCELLED", "FAILED"},
+    "SUCCEEDED": set(),
+    "FAILED": set(),
+    "CANCELLED": set(),
+}
+ALL_STATES = sorted(EXPECTED_EDGES)
+LEGAL = [(a, b) for a in ALL_STATES for b in sorted(EXPECTED_EDGES[a])]
+ILLEGAL = [(a, b) for a, b in itertools.product(ALL_STATES, ALL_STATES) if b not in EXPECTED_EDGES[a]]
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "job-spec.md"
+
+
+def documented_edges() -> dict[str, set[str]]:
+    """The "from | may go to" table of docs/job-spec.md's States section."""
+    section = DOCS.read_text().split("## States", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([A-Z]+)` \| (.*) \|$", section, flags=re.MULTILINE)
+    return {old: set(re.findall(r"`([A-Z]+)`", targets)) for old, targets in rows}
+
+
+def test_the_state_table_is_the_documented_one():
+    assert documented_edges() == EXPECTED_EDGES
+    assert {old: set(new) for old, new in LEGAL_TRANSITIONS.items()} == EXPECTED_EDGES
+    assert set(ALL_STATES) == {s.value for s in JobState}
+    assert TERMINAL_STATES == {old for old, new in EXPECTED_EDGES.items() if not new}
 
 
 def force_state(job: Job, state: str) -> Job:
@@ -33,6 +67,16 @@ def test_illegal_transition_is_refused_and_changes_nothing(acme, old, new):
     job.refresh_from_db()
     assert job.state == old
     assert JobEvent.objects.filter(job=job).count() == events
+
+
+@pytest.mark.parametrize("old,new", LEGAL, ids=[f"{a}->{b}" for a, b in LEGAL])
+def test_each_legal_transition_is_taken_and_logged(acme, old, new):
+    job = force_state(submit(acme), old)
+    job = job_transition(job=job, to=new)
+    assert job.state == new
+    event = JobEvent.objects.filter(job=job, kind="state").latest("id")
+    assert event.data["from"] == old and event.data["to"] == new
+    assert (job.finished_at is not None) == (new in {"SUCCEEDED", "FAILED", "CANCELLED"})
 
 
 def test_a_full_life_appends_one_event_per_step(acme):
@@ -54,6 +98,29 @@ def test_stale_caller_loses(acme):
     job_transition(job=job, to=JobState.PLACED)
     with pytest.raises(StaleState):
         job_transition(job=stale_copy, to=JobState.CANCELLED, expected=JobState.PENDING)
+
+
+def test_a_caller_acting_on_a_stale_view_loses_without_naming_the_state(acme):
+    """The state the caller loaded is the one compared: reading it afresh would let the stale caller win."""
+    job = force_state(submit(acme), JobState.RUNNING)
+    stale_copy = Job.objects.get(pk=job.pk)  # e.g. the agent's report handler, loaded before the node was lost
+    job_transition(job=job, to=JobState.PENDING, reason_code="NODE_LOST")  # legal from RUNNING...
+    with pytest.raises(StaleState) as caught:
+        job_transition(job=stale_copy, to=JobState.CANCELLED)  # ...and so is RUNNING/PENDING -> CANCELLED
+    assert (caught.value.expected, caught.value.actual) == ("RUNNING", "PENDING")
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    assert not JobEvent.objects.filter(job=job, data__to="CANCELLED").exists()
+
+
+def test_a_stale_success_report_cannot_finish_a_requeued_job(acme):
+    job = force_state(submit(acme), JobState.RUNNING)
+    stale_copy = Job.objects.get(pk=job.pk)
+    job_transition(job=job, to=JobState.PENDING, reason_code="NODE_LOST")
+    with pytest.raises(StaleState):
+        job_transition(job=stale_copy, to=JobState.SUCCEEDED)
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING and job.finished_at is None
 
 
 def test_cancel_through_api_then_cancel_again_is_409(acme):

@@ -67,6 +67,34 @@ def test_quota_caps_what_one_cycle_places(acme):
     assert waiting.pending_reason_code == "QUOTA_EXCEEDED"
 
 
+def test_fractional_jobs_count_their_share_against_the_gpu_quota_in_the_cycle(acme):
+    """max_gpus=1: two half-GPU jobs fit (0.5 + 0.5), a third waits for quota, across two cycles too."""
+    acme.tenant.quota.max_gpus = 1
+    acme.tenant.quota.save()
+    jobs = [submit(acme, name=f"h{i}", resources={"gpu_fraction": 0.5}) for i in range(2)]
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {"PLACED"}
+    late = submit(acme, name="h-late", resources={"gpu_fraction": 0.5})
+    scheduling_cycle_run(tenant=acme.tenant)
+    late.refresh_from_db()
+    assert late.state == JobState.PENDING and late.pending_reason_code == "QUOTA_EXCEEDED"
+    assert "quota" in late.pending_reason
+
+
+def test_a_share_is_planned_in_whole_slots_as_it_is_held(acme):
+    """Four quarter-GPU jobs hold 3 slots of 10 each: three fit one GPU, the fourth needs another.
+
+    Planned at 250 milli each, the engine would put all four on one GPU and the commit would refuse
+    the fourth as a double booking, every cycle.
+    """
+    jobs = [submit(acme, name=f"q{i}", resources={"gpu_fraction": 0.25}) for i in range(4)]
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert sorted(outcome.placed) == sorted(j.pk for j in jobs)
+    gpus = {(s.gpu.node_id, s.gpu.index) for j in jobs for s in j.allocations.get(active=True).slices.all()}
+    assert len(gpus) == 2
+    assert not JobEvent.objects.filter(job__in=jobs, reason_code="DOUBLE_BOOKING").exists()
+
+
 def test_high_priority_job_preempts_a_long_running_preemptible_one(acme):
     for node in acme.nodes[1:]:
         node.state = "OFFLINE"

@@ -106,6 +106,29 @@ def test_retry_with_same_key_creates_no_second_instance(aws: AwsProvider, aws_ac
     assert sum(len(r["Instances"]) for r in tagged) == 1
 
 
+def test_retry_after_the_instance_was_terminated_launches_nothing(aws: AwsProvider, aws_account: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key names one launch for good, as an EC2 ClientToken does: a retry of a request whose instance was
+    since terminated (a spot reclaim, the reconciler) gets that terminated instance back, and the caller
+    decides on a new attempt with a new key; it never silently launches (and pays for) a second one."""
+    request = make_request(provider="aws", instance_type="g5.xlarge", zone="us-east-1a", region=REGION)
+    client = aws.client(REGION)
+    calls: list[dict[str, Any]] = []
+    real_run = client.run_instances
+    monkeypatch.setattr(client, "run_instances", lambda **kw: calls.append(kw) or real_run(**kw))
+
+    first = aws.provision(request)
+    aws.terminate(first.ref)
+    retried = aws.provision(request)
+
+    assert retried.ref == first.ref and retried.state is InstanceState.TERMINATED
+    assert len(calls) == 1
+    live = ec2(aws_account).describe_instances(
+        Filters=[{"Name": f"tag:{TAG_REQUEST}", "Values": [request.request_key]},
+                 {"Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
+    assert live == []
+
+
 def test_client_token_is_stable_bounded_and_sent(aws: AwsProvider) -> None:
     token = client_token(allocation_id="alloc-42", attempt=3, instance_type="p5.48xlarge", zone="us-east-1a")
     assert token == client_token(allocation_id="alloc-42", attempt=3, instance_type="p5.48xlarge", zone="us-east-1a")

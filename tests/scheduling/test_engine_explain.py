@@ -129,3 +129,31 @@ def test_policy_can_drop_a_filter():
     names = tuple(n for n in Policy().filters if n != "price_ceiling")
     plan = schedule(snap, Policy(filters=names, time_limit_s=5.0, preemption=False, defragmentation=False))
     assert plan.placement_for("j") is not None
+
+
+def test_islands_that_are_partly_busy_are_no_island_for_the_job():
+    """8 GPUs in two NVLink islands of 4, two busy in each: 4 GPUs free, but no free island of 4.
+
+    The user must read NO_NVLINK_ISLAND (what to change: the interconnect), not a count of free GPUs
+    or "used for other jobs": busy GPUs are not part of any island a job can have.
+    """
+    node = gpu_node("n", gpus=8, island_size=4, used={0: 1000, 1: 1000, 4: 1000, 5: 1000})
+    reason = reason_of(snapshot([node], [job("j", gpus=4, interconnect="nvlink")]))
+    assert reason.code == ReasonCode.NO_NVLINK_ISLAND
+    assert "1 lack a free NVLink island of 4" in reason.message
+    assert reason.data["rejections"] == {"topology": 1}
+
+
+def test_a_fractionally_busy_gpu_breaks_an_island_for_whole_gpu_jobs():
+    node = gpu_node("n", gpus=8, island_size=4, used={0: 300, 6: 500})
+    reason = reason_of(snapshot([node], [job("j", gpus=4, interconnect="nvlink")]))
+    assert reason.code == ReasonCode.NO_NVLINK_ISLAND
+
+
+def test_the_one_free_island_is_the_one_chosen():
+    busy = gpu_node("busy", gpus=8, island_size=4, used={0: 1000, 5: 1000})
+    free_second = gpu_node("half", gpus=8, island_size=4, used={1: 1000, 2: 1000})
+    plan = schedule(snapshot([busy, free_second], [job("j", gpus=4, interconnect="nvlink")]), FAST)
+    (placement,) = plan.placements
+    assert placement.node_id == "half"
+    assert sorted(placement.gpu_indices) == [4, 5, 6, 7]
