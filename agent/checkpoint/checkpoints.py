@@ -145,6 +145,8 @@ def restore_from(uri: str | Storage, *, into: Path | None = None, s3_client: Any
                                 tuple(skipped))
         else:
             # Download while verifying: S3 is read once, and what the job loads is exactly what was checked.
+            if into is not None:
+                Path(into).mkdir(parents=True, exist_ok=True)
             target = Path(tempfile.mkdtemp(prefix=f"whalezen-restore-{info.step}-", dir=into))
             result = verify_in(storage, dir_name, download_to=target)
             if result.ok and result.manifest is not None:
