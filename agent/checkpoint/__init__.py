@@ -38,7 +38,14 @@ from agent.checkpoint.checkpoints import (
     restore_from,
     verify,
 )
-from agent.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError, UnsafeName
+from agent.checkpoint.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    UnsafeName,
+)
 
 _default: Checkpointer | None = None
 
@@ -52,7 +59,8 @@ def install(**options: Any) -> Checkpointer:
 
 
 def default() -> Checkpointer:
-    """The Checkpointer the module-level functions use (built from the env on first use, no signal handler)."""
+    """The Checkpointer the module-level functions use: built from the env on first use, without
+    a signal handler (call install() for one)."""
     global _default
     if _default is None:
         _default = Checkpointer()

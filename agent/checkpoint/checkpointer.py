@@ -85,7 +85,8 @@ class Checkpointer:
         env = os.environ if env is None else env
         self.uri = uri or env.get("WHALEZEN_CHECKPOINT_URI") or ""
         if not self.uri:
-            raise ValueError("no checkpoint URI: the job spec has no checkpoint.uri (pass uri= to test locally)")
+            raise ValueError("no checkpoint URI: the job spec has no checkpoint.uri "
+                             "(pass uri= to try it outside WhaleZen)")
         self.storage: Storage = open_storage(self.uri, s3_client=s3_client)
         self.job_id = env.get("WHALEZEN_JOB_ID") or None
         epoch = env.get("WHALEZEN_EPOCH")
@@ -128,7 +129,8 @@ class Checkpointer:
         pending = self._request_from_file()
         if pending is not None:
             return Request(request_id=str(pending["request_id"]), via="signal" if self._signalled else "file",
-                           requested_at=pending.get("requested_at"), checkpoint_uri=pending.get("checkpoint_uri"))
+                           requested_at=pending.get("requested_at"),
+                           checkpoint_uri=pending.get("checkpoint_uri"))
         if self._signalled:
             return Request(request_id=None, via="signal")
         return None
@@ -244,7 +246,8 @@ class Checkpointer:
 
     def _answered_from_notice(self) -> set[str]:
         notice = self._read_notice()
-        return {v for v in (notice.get("request_id"), notice.get("last_answered_request_id")) if isinstance(v, str)}
+        ids = (notice.get("request_id"), notice.get("last_answered_request_id"))
+        return {value for value in ids if isinstance(value, str)}
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -264,7 +267,9 @@ class Checkpointer:
         return prune(self.storage, keep=keep)
 
 
-def _sources(data: bytes | Mapping[str, bytes] | None, files: Sources | None) -> list[tuple[str, bytes | Path]]:
+def _sources(
+    data: bytes | Mapping[str, bytes] | None, files: Sources | None,
+) -> list[tuple[str, bytes | Path]]:
     sources: list[tuple[str, bytes | Path]] = []
     if isinstance(data, (bytes, bytearray, memoryview)):
         sources.append((DEFAULT_DATA_NAME, bytes(data)))

@@ -120,7 +120,8 @@ def verify_in(storage: Storage, dir_name: str, *, download_to: Path | None = Non
     try:
         manifest = Manifest.from_bytes(storage.read_bytes(f"{dir_name}/{MANIFEST_NAME}"))
     except FileNotFoundError:
-        return VerifyResult(False, uri, (f"{MANIFEST_NAME} missing: the write was torn or is still going on",))
+        missing = f"{MANIFEST_NAME} missing: the write was torn or is still going on"
+        return VerifyResult(False, uri, (missing,))
     except ManifestError as err:
         return VerifyResult(False, uri, (f"{MANIFEST_NAME}: {err}",))
     if manifest.step != step:
@@ -157,7 +158,9 @@ def restore_from(uri: str | Storage, *, into: Path | None = None, s3_client: Any
     return None
 
 
-def prune(uri: str | Storage, keep: int = 2, *, protect: tuple[int, ...] = (), s3_client: Any = None) -> PruneResult:
+def prune(
+    uri: str | Storage, keep: int = 2, *, protect: tuple[int, ...] = (), s3_client: Any = None,
+) -> PruneResult:
     """Delete every checkpoint older than the newest `keep` that verify.
 
     Checked newest first, so only the kept ones are read in full. Never deleted: the kept ones

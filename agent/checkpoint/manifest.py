@@ -120,7 +120,8 @@ class Manifest:
             raise ManifestError("manifest is not a JSON object")
         version = data.get("format")
         if version != FORMAT_VERSION:
-            raise ManifestError(f"manifest format {version!r} is not {FORMAT_VERSION} (a newer helper wrote it?)")
+            raise ManifestError(f"manifest format {version!r} is not {FORMAT_VERSION} "
+                                "(written by a newer helper?)")
         step = data.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ManifestError(f"manifest step {step!r} is not a whole number >= 0")
@@ -207,7 +208,8 @@ def problems_against(manifest: Manifest, measured: Mapping[str, Measured]) -> li
         elif found.size != entry.size:
             problems.append(f"{entry.name}: size {found.size} bytes, manifest says {entry.size}")
         elif found.sha256 != entry.sha256:
-            problems.append(f"{entry.name}: sha256 {found.sha256} does not match the manifest's {entry.sha256}")
+            problems.append(f"{entry.name}: sha256 {found.sha256} does not match "
+                            f"the manifest's {entry.sha256}")
     return problems
 
 

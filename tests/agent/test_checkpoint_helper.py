@@ -30,11 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     """One moto server for the file (pattern of tests/providers/conftest.py; a bucket per test isolates)."""
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                                             "AWS_DEFAULT_REGION", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_SESSION_TOKEN="testing",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
-                      AWS_CONFIG_FILE="/nonexistent")
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
+             "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_SESSION_TOKEN="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent")
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -88,8 +89,9 @@ def agent_requests(env: dict[str, str], request_id: str) -> None:
     """What the agent does (agent/jobs.py _write_request): the JSON file, replaced by rename."""
     path = Path(env["WHALEZEN_CHECKPOINT_REQUEST_FILE"])
     tmp = path.with_name(".checkpoint-request.tmp")
-    tmp.write_text(json.dumps({"request_id": request_id, "assignment_id": "a1", "job_id": env["WHALEZEN_JOB_ID"],
-                               "checkpoint_uri": env["WHALEZEN_CHECKPOINT_URI"], "requested_at": 1.5}))
+    request = {"request_id": request_id, "assignment_id": "a1", "job_id": env["WHALEZEN_JOB_ID"],
+               "checkpoint_uri": env["WHALEZEN_CHECKPOINT_URI"], "requested_at": 1.5}
+    tmp.write_text(json.dumps(request))
     os.replace(tmp, path)
 
 
@@ -315,7 +317,8 @@ def test_written_notice_tells_the_agent_what_was_written(job_env):
     assert notice["manifest_sha256"] == hashlib.sha256(manifest_bytes).hexdigest() == result.manifest_sha256
     assert isinstance(notice["written_at"], float)
     manifest = json.loads(manifest_bytes)
-    assert (manifest["format"], manifest["job_id"], manifest["epoch"], manifest["step"]) == (1, "job-7", 3, 42)
+    identity = (manifest["format"], manifest["job_id"], manifest["epoch"], manifest["step"])
+    assert identity == (1, "job-7", 3, 42)
     assert manifest["files"] == [{"name": "data", "size": 5, "sha256": hashlib.sha256(b"state").hexdigest()}]
     assert not [p.name for p in Path(job_env["WHALEZEN_WORK_DIR"]).iterdir() if p.name.startswith(".wz-tmp")]
 
@@ -434,10 +437,11 @@ def test_s3_restore_never_writes_outside_its_folder(s3_uri, tmp_path):
     ckpt = Checkpointer(uri=uri, env={})
     ckpt.save(1, {"model.pt": b"x"})
     client.put_object(Bucket=bucket, Key="jobs/j1/step-000000000001/../../../pwned", Body=b"x")
-    manifest = json.loads(client.get_object(Bucket=bucket, Key="jobs/j1/step-000000000001/manifest.json")["Body"]
-                          .read())
-    manifest["files"].append({"name": "../../../pwned", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()})
-    client.put_object(Bucket=bucket, Key="jobs/j1/step-000000000001/manifest.json", Body=json.dumps(manifest))
+    manifest_key = "jobs/j1/step-000000000001/manifest.json"
+    manifest = json.loads(client.get_object(Bucket=bucket, Key=manifest_key)["Body"].read())
+    evil = {"name": "../../../pwned", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}
+    manifest["files"].append(evil)
+    client.put_object(Bucket=bucket, Key=manifest_key, Body=json.dumps(manifest))
     into = tmp_path / "restore-here"
     into.mkdir()
     assert ckpt.restore(into=into) is None
