@@ -232,7 +232,7 @@ def _split_checkpoint_uri(uri: str) -> tuple[str, str]:
     parent, sep, name = trimmed.rpartition("/")
     if not sep or not name or parent in ("s3:", "s3:/"):
         raise ValueError(f"{uri!r} is not the URI of a checkpoint directory")
-    if parent.endswith(":/"):  # "file:///step-1" style: the parent is the filesystem root
+    if parent.endswith("://"):  # "file:///step-1": the parent is the filesystem root
         parent += "/"
     return parent or "/", name
 

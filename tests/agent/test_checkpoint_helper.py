@@ -148,6 +148,7 @@ def test_restore_accepts_a_file_uri(tmp_path):
     Checkpointer(uri=str(tmp_path / "c d"), env={}).save(1, b"x")
     restored = restore_from(f"file://{tmp_path}/c%20d")
     assert restored is not None and restored.data == b"x"
+    assert verify(f"file://{tmp_path}/c%20d/step-000000000001").ok
 
 
 # -- torn and corrupt checkpoints ------------------------------------------------------------------
@@ -187,6 +188,26 @@ def test_a_truncated_or_deleted_file_is_named_too(job_env):
     Path(bad.uri, "b.bin").unlink()
     assert verify(bad.uri).problems == ("a.bin: size 3 bytes, manifest says 5", "b.bin: missing")
     assert ckpt.restore() is None
+
+
+def test_a_crash_while_writing_files_leaves_no_manifest(job_env, monkeypatch):
+    ckpt = Checkpointer(env=job_env)
+    ckpt.save(1, b"good")
+    real_put = type(ckpt.storage).put
+
+    def dies_on_second_file(self, rel, source):
+        if rel.endswith("b.bin"):
+            raise OSError(28, "No space left on device")
+        return real_put(self, rel, source)
+
+    monkeypatch.setattr(type(ckpt.storage), "put", dies_on_second_file)
+    with pytest.raises(OSError):
+        ckpt.save(2, {"a.bin": b"a", "b.bin": b"b"})
+    monkeypatch.undo()
+    assert [(i.step, i.has_manifest) for i in ckpt.list()] == [(1, True), (2, False)]
+    assert ckpt.restore().data == b"good"
+    notice = json.loads((Path(job_env["WHALEZEN_WORK_DIR"]) / checkpoint.NOTICE_FILE_NAME).read_text())
+    assert notice["step"] == 1  # the agent was never told about the half-written one
 
 
 def test_resaving_a_step_replaces_it_whole(job_env):
