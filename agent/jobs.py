@@ -48,6 +48,7 @@ RESERVED_ENV = (
     "WHALEZEN_CHECKPOINT_URI",
     "WHALEZEN_CHECKPOINT_REQUEST_FILE",
     "WHALEZEN_WORK_DIR",
+    "WHALEZEN_RESTORE_FROM",
 )
 # Never handed to jobs: the agent's own secrets and GPU selection.
 _AGENT_ONLY_ENV_PREFIXES = ("WHALEZEN_",)
@@ -75,6 +76,9 @@ class Assignment:
     env: Mapping[str, str]
     checkpoint_uri: str | None
     checkpoint_request_id: str | None
+    # The checkpoint the broker verified and committed for this job: None when the broker said
+    # nothing (older broker), "" when it has none (start from scratch), else that directory's URI.
+    restore_from: str | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> "Assignment":
@@ -105,6 +109,9 @@ class Assignment:
             command = tuple(command)
         elif not (isinstance(command, str) and command.strip()) and action == "start":
             raise AssignmentInvalid("command must be a non-empty argv list or shell string")
+        restore_from = data.get("restore_from")
+        if restore_from is not None and (not isinstance(restore_from, str) or "\x00" in restore_from):
+            raise AssignmentInvalid("restore_from must be a string (a checkpoint URI, or empty)")
         env = data.get("env") or {}
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise AssignmentInvalid("env must map names to string values")
@@ -120,6 +127,7 @@ class Assignment:
             env=dict(env),
             checkpoint_uri=data.get("checkpoint_uri") or None,
             checkpoint_request_id=None if data.get("checkpoint_request_id") is None else str(data["checkpoint_request_id"]),
+            restore_from=restore_from,
         )
 
 
@@ -186,6 +194,8 @@ def job_environment(
         env["WHALEZEN_NODE_ID"] = node_id
     if assignment.checkpoint_uri:
         env["WHALEZEN_CHECKPOINT_URI"] = assignment.checkpoint_uri
+    if assignment.restore_from is not None:  # "" too: "nothing committed" is an instruction as well
+        env["WHALEZEN_RESTORE_FROM"] = assignment.restore_from
     return env
 
 

@@ -3,7 +3,7 @@
     from agent import checkpoint
 
     ckpt = checkpoint.install(interval_seconds=600)   # SIGUSR1 handler + the job's env
-    restored = ckpt.restore()                          # newest checkpoint that verifies, or None
+    restored = ckpt.restore()                          # what the broker committed, else newest verified
     step = restored.step + 1 if restored else 0
     while step < total:
         train_one_step()
@@ -35,6 +35,7 @@ from agent.checkpoint.checkpoints import (
     VerifyResult,
     list_checkpoints as _list_checkpoints,
     prune as _prune,
+    restore_committed,
     restore_from,
     verify,
 )
@@ -68,8 +69,10 @@ def default() -> Checkpointer:
 
 
 def restore(uri: str | None = None, *, into: Path | None = None) -> Restored | None:
-    """Newest verified checkpoint at `uri` (default: $WHALEZEN_CHECKPOINT_URI), or None."""
-    return default().restore(into=into) if uri is None else restore_from(uri, into=into)
+    """What to resume from at `uri` (default: $WHALEZEN_CHECKPOINT_URI), or None: the checkpoint
+    the broker committed ($WHALEZEN_RESTORE_FROM) when it said one, else the newest verified one
+    (Checkpointer.restore)."""
+    return default().restore(into=into) if uri is None else Checkpointer(uri).restore(into=into)
 
 
 def save(step: int, data: Any = None, *, files: Any = None, extra: Any = None) -> SaveResult:
@@ -92,5 +95,5 @@ __all__ = [
     "DEFAULT_DATA_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "NOTICE_FILE_NAME", "REQUEST_FILE_NAME",
     "CheckpointInfo", "Checkpointer", "FileEntry", "Manifest", "ManifestError", "PruneResult", "Request",
     "Restored", "SaveResult", "UnsafeName", "VerifyResult", "default", "install", "list_checkpoints", "prune",
-    "requested", "restore", "restore_from", "save", "verify",
+    "requested", "restore", "restore_committed", "restore_from", "save", "verify",
 ]

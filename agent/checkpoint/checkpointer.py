@@ -22,8 +22,10 @@ from agent.checkpoint.checkpoints import (
     CheckpointInfo,
     PruneResult,
     Restored,
+    committed_step,
     list_checkpoints,
     prune,
+    restore_committed,
     restore_from,
 )
 from agent.checkpoint.manifest import (
@@ -88,6 +90,11 @@ class Checkpointer:
             raise ValueError("no checkpoint URI: the job spec has no checkpoint.uri "
                              "(pass uri= to try it outside WhaleZen)")
         self.storage: Storage = open_storage(self.uri, s3_client=s3_client)
+        self._s3_client = s3_client
+        # What the broker committed for this job (agent/jobs.py sets it from the assignment):
+        # None when the agent said nothing (an older broker), "" for "start from scratch", else
+        # the URI of one checkpoint directory.
+        self.restore_from_uri: str | None = env.get("WHALEZEN_RESTORE_FROM")
         self.job_id = env.get("WHALEZEN_JOB_ID") or None
         epoch = env.get("WHALEZEN_EPOCH")
         self.epoch = int(epoch) if epoch and epoch.lstrip("-").isdigit() else None
@@ -252,10 +259,21 @@ class Checkpointer:
     # -- reading ----------------------------------------------------------------------------
 
     def restore(self, *, into: Path | None = None) -> Restored | None:
-        """The newest checkpoint that verifies (see restore_from); S3 downloads go under `into`,
-        default the work dir, so they are cleaned up with the job."""
+        """What to resume from; S3 downloads go under `into`, default the work dir, so they are
+        cleaned up with the job.
+
+        With WHALEZEN_RESTORE_FROM set (the broker says): "" is None (nothing committed, start
+        from scratch, whatever the storage holds); a URI is exactly that checkpoint once it
+        verifies, else the newest verified one of a lower step (a warning on stderr names both).
+        Without it: the newest checkpoint that verifies (see restore_from).
+        """
         target = into if into is not None else self.work_dir
-        restored = restore_from(self.storage, into=target)
+        if self.restore_from_uri is None:
+            restored = restore_from(self.storage, into=target)
+        elif not self.restore_from_uri.strip():
+            return None
+        else:
+            restored = restore_committed(self.restore_from_uri, into=target, s3_client=self._s3_client)
         if restored is not None:
             self._last_step, self._last_time = restored.step, self._clock()
         return restored
@@ -264,7 +282,10 @@ class Checkpointer:
         return list_checkpoints(self.storage)
 
     def prune(self, keep: int = 2) -> PruneResult:
-        return prune(self.storage, keep=keep)
+        """prune() that also never deletes the checkpoint the broker committed (it is what a
+        restart of this job will be told to restore, even when newer ones verify)."""
+        step = committed_step(self.restore_from_uri) if self.restore_from_uri else None
+        return prune(self.storage, keep=keep, protect=() if step is None else (step,))
 
 
 def _sources(

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,29 +135,78 @@ def verify_in(storage: Storage, dir_name: str, *, download_to: Path | None = Non
     return VerifyResult(not problems, uri, tuple(problems), manifest)
 
 
-def restore_from(uri: str | Storage, *, into: Path | None = None, s3_client: Any = None) -> Restored | None:
-    """The newest checkpoint whose manifest is there and whose every file verifies, or None."""
+def restore_from(
+    uri: str | Storage, *, into: Path | None = None, s3_client: Any = None, below: int | None = None,
+) -> Restored | None:
+    """The newest checkpoint whose manifest is there and whose every file verifies, or None.
+    With `below`, only checkpoints of a lower step are considered."""
     storage = _storage(uri, s3_client)
     skipped: list[VerifyResult] = []
     for info in reversed(list_checkpoints(storage)):
-        dir_name = _dir_of(info)
-        if storage.local_path(dir_name) is not None:
-            result = verify_in(storage, dir_name)
-            if result.ok and result.manifest is not None:
-                return Restored(info.step, result.manifest, result.uri, storage.local_path(dir_name),
-                                tuple(skipped))
-        else:
-            # Download while verifying: S3 is read once, and what the job loads is exactly what was checked.
-            if into is not None:
-                Path(into).mkdir(parents=True, exist_ok=True)
-            target = Path(tempfile.mkdtemp(prefix=f"whalezen-restore-{info.step}-", dir=into))
-            result = verify_in(storage, dir_name, download_to=target)
-            if result.ok and result.manifest is not None:
-                return Restored(info.step, result.manifest, result.uri, target, tuple(skipped),
-                                _owns_directory=True)
-            shutil.rmtree(target, ignore_errors=True)
+        if below is not None and info.step >= below:
+            continue
+        restored, result = _restore_dir(storage, _dir_of(info), info.step, into, tuple(skipped))
+        if restored is not None:
+            return restored
         skipped.append(result)
     return None
+
+
+def restore_committed(
+    committed_uri: str, *, into: Path | None = None, s3_client: Any = None,
+    warn: Callable[[str], None] | None = None,
+) -> Restored | None:
+    """Restore exactly the checkpoint directory the broker committed (`WHALEZEN_RESTORE_FROM`).
+
+    If it no longer verifies (storage corrupted since the broker checked it), fall back to the
+    newest verified checkpoint of a lower step beside it, and warn naming both. Never a higher
+    step: the broker never committed it, so another copy of the job may have written it, or it
+    may answer a request the broker gave up on.
+    """
+    parent, name = _split_checkpoint_uri(committed_uri)
+    step = parse_step_dir(name)
+    if step is None:
+        raise ValueError(f"committed checkpoint {committed_uri!r} is not a step-<number> directory")
+    storage = open_storage(parent, s3_client=s3_client)
+    restored, result = _restore_dir(storage, name, step, into, ())
+    if restored is not None:
+        return restored
+    fallback = restore_from(storage, into=into, below=step)
+    why = "; ".join(result.problems) or "it does not verify"
+    if fallback is None:
+        message = (f"whalezen checkpoint: the committed checkpoint {result.uri} fails verification ({why}) "
+                   f"and no checkpoint of a lower step verifies: starting from scratch")
+    else:
+        fallback.skipped = (result, *fallback.skipped)
+        message = (f"whalezen checkpoint: the committed checkpoint {result.uri} fails verification ({why}); "
+                   f"restoring {fallback.uri} (step {fallback.step}) instead")
+    (warn or _warn_stderr)(message)
+    return fallback
+
+
+def _restore_dir(
+    storage: Storage, dir_name: str, step: int, into: Path | None, skipped: tuple[VerifyResult, ...],
+) -> tuple[Restored | None, VerifyResult]:
+    """Verify one checkpoint directory and hand it out as Restored if it is whole."""
+    local = storage.local_path(dir_name)
+    if local is not None:
+        result = verify_in(storage, dir_name)
+        if result.ok and result.manifest is not None:
+            return Restored(step, result.manifest, result.uri, local, skipped), result
+        return None, result
+    # Download while verifying: S3 is read once, and what the job loads is exactly what was checked.
+    if into is not None:
+        Path(into).mkdir(parents=True, exist_ok=True)
+    target = Path(tempfile.mkdtemp(prefix=f"whalezen-restore-{step}-", dir=into))
+    result = verify_in(storage, dir_name, download_to=target)
+    if result.ok and result.manifest is not None:
+        return Restored(step, result.manifest, result.uri, target, skipped, _owns_directory=True), result
+    shutil.rmtree(target, ignore_errors=True)
+    return None, result
+
+
+def _warn_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def prune(
@@ -226,6 +277,14 @@ def _download(storage: Storage, rel: str, target: Path, name: str, hasher: Hashe
         raise
 
 
+def committed_step(committed_uri: str) -> int | None:
+    """The step of a committed checkpoint URI, or None if it names no step directory."""
+    try:
+        return parse_step_dir(_split_checkpoint_uri(committed_uri)[1])
+    except ValueError:
+        return None
+
+
 def _split_checkpoint_uri(uri: str) -> tuple[str, str]:
     """`s3://b/p/step-000000000007` -> (`s3://b/p`, `step-000000000007`); the same for paths."""
     trimmed = uri.strip().rstrip("/")
@@ -245,5 +304,5 @@ def _storage(uri: str | Storage, s3_client: Any) -> Storage:
     return open_storage(uri, s3_client=s3_client) if isinstance(uri, str) else uri
 
 
-__all__ = ["CheckpointInfo", "PruneResult", "Restored", "VerifyResult", "list_checkpoints",
-           "prune", "restore_from", "verify", "verify_in"]
+__all__ = ["CheckpointInfo", "PruneResult", "Restored", "VerifyResult", "committed_step", "list_checkpoints",
+           "prune", "restore_committed", "restore_from", "verify", "verify_in"]

@@ -506,3 +506,82 @@ def test_toy_example_restores_where_it_stopped(tmp_path):
     lines = second.stdout.splitlines()
     assert lines[0] == "restored from step 4" and lines[1].startswith("step 5 loss ")
     assert [i.step for i in list_checkpoints(str(tmp_path / "ckpt"))] == [4, 7]
+
+
+# -- restoring what the broker committed (WHALEZEN_RESTORE_FROM) -------------------------------------
+
+
+def test_the_committed_checkpoint_is_restored_even_when_newer_ones_verify(job_env):
+    ckpt = Checkpointer(env=job_env)
+    for step in (10, 20, 30):
+        ckpt.save(step, f"state-{step}".encode())
+    committed = ckpt.list()[1].uri  # step 20; 30 was written but the broker never committed it
+
+    restored = Checkpointer(env={**job_env, "WHALEZEN_RESTORE_FROM": committed}).restore()
+    assert (restored.step, restored.data, restored.uri) == (20, b"state-20", committed)
+
+
+def test_nothing_committed_means_start_from_scratch(job_env):
+    Checkpointer(env=job_env).save(5, b"left by another copy of the job")
+    assert Checkpointer(env={**job_env, "WHALEZEN_RESTORE_FROM": ""}).restore() is None
+
+
+def test_a_committed_checkpoint_corrupted_since_falls_back_to_a_lower_step_and_says_so(job_env, capfd):
+    ckpt = Checkpointer(env=job_env)
+    for step in (10, 20, 30):
+        ckpt.save(step, f"state-{step}".encode())
+    committed = ckpt.list()[1].uri
+    flip_first_byte(Path(committed) / "data")
+
+    restored = Checkpointer(env={**job_env, "WHALEZEN_RESTORE_FROM": committed}).restore()
+    assert (restored.step, restored.data) == (10, b"state-10")  # never 30, which was not committed
+    assert restored.skipped[0].uri == committed
+    err = capfd.readouterr().err
+    assert committed in err and restored.uri in err and "fails verification" in err
+
+
+def test_no_lower_checkpoint_left_restores_none_with_a_warning(job_env, capfd):
+    ckpt = Checkpointer(env=job_env)
+    ckpt.save(20, b"committed")
+    ckpt.save(30, b"never committed")
+    committed = ckpt.list()[0].uri
+    (Path(committed) / MANIFEST_NAME).unlink()
+
+    assert checkpoint.Checkpointer(env={**job_env, "WHALEZEN_RESTORE_FROM": committed}).restore() is None
+    err = capfd.readouterr().err
+    assert committed in err and "starting from scratch" in err
+
+
+def test_module_restore_honours_the_variable(job_env, monkeypatch):
+    ckpt = Checkpointer(env=job_env)
+    ckpt.save(1, b"one")
+    ckpt.save(2, b"two")
+    monkeypatch.setenv("WHALEZEN_RESTORE_FROM", ckpt.list()[0].uri)
+    assert checkpoint.restore(job_env["WHALEZEN_CHECKPOINT_URI"]).data == b"one"
+    monkeypatch.setenv("WHALEZEN_RESTORE_FROM", "")
+    assert checkpoint.restore(job_env["WHALEZEN_CHECKPOINT_URI"]) is None
+
+
+def test_prune_keeps_the_committed_checkpoint(job_env):
+    ckpt = Checkpointer(env=job_env)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, b"x")
+    committed = ckpt.list()[0].uri
+    result = Checkpointer(env={**job_env, "WHALEZEN_RESTORE_FROM": committed}).prune(keep=2)
+    assert result.kept == (4, 3) and result.deleted == (2,)
+    assert [i.step for i in ckpt.list()] == [1, 3, 4]
+
+
+def test_s3_committed_checkpoint_and_its_fallback(s3_uri, job_env, tmp_path, capfd):
+    uri, client, bucket = s3_uri
+    ckpt = Checkpointer(env={**job_env, "WHALEZEN_CHECKPOINT_URI": uri})
+    for step in (1, 2, 3):
+        ckpt.save(step, {"model.pt": f"m{step}".encode()})
+    env = {**job_env, "WHALEZEN_CHECKPOINT_URI": uri, "WHALEZEN_RESTORE_FROM": f"{uri}/step-000000000002"}
+    with Checkpointer(env=env).restore(into=tmp_path / "dl") as restored:
+        assert (restored.step, restored.read_bytes("model.pt")) == (2, b"m2")
+
+    client.put_object(Bucket=bucket, Key="jobs/j1/step-000000000002/model.pt", Body=b"mX")
+    with Checkpointer(env=env).restore(into=tmp_path / "dl") as restored:
+        assert (restored.step, restored.read_bytes("model.pt")) == (1, b"m1")
+    assert f"{uri}/step-000000000002" in capfd.readouterr().err

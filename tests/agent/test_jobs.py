@@ -207,3 +207,28 @@ def test_a_job_cannot_make_the_agent_write_a_file_for_it(open_dir):
     assert not request.is_symlink() and json.loads(request.read_text())["request_id"] == "c1"
     assert request.stat().st_uid == runner.job_user.uid  # the job can read and delete its request
     runner.stop_all(reason="test over")
+
+
+# -- what the broker committed: WHALEZEN_RESTORE_FROM ------------------------------------------------
+
+
+def test_the_committed_checkpoint_reaches_the_job_and_cannot_be_overridden(open_dir):
+    committed = "s3://ckpt/j1/step-000000000120"
+    a = assignment(restore_from=committed, env={"WHALEZEN_RESTORE_FROM": "s3://ckpt/j1/step-000000000999"})
+    env = job_environment(a, workdir=open_dir, node_id=None, base_env={"WHALEZEN_RESTORE_FROM": "/agent/own"})
+    assert env["WHALEZEN_RESTORE_FROM"] == committed
+
+
+def test_nothing_committed_is_passed_as_empty_and_an_old_broker_passes_nothing(open_dir):
+    scratch = job_environment(assignment(restore_from=""), workdir=open_dir, node_id=None, base_env={})
+    assert scratch["WHALEZEN_RESTORE_FROM"] == ""
+    old = job_environment(assignment(), workdir=open_dir, node_id=None, base_env={})
+    assert "WHALEZEN_RESTORE_FROM" not in old
+    null = job_environment(assignment(restore_from=None), workdir=open_dir, node_id=None, base_env={})
+    assert "WHALEZEN_RESTORE_FROM" not in null
+
+
+@pytest.mark.parametrize("bad", [120, ["s3://x/step-1"], "s3://x/\x00step-1"])
+def test_a_restore_from_that_is_not_a_string_makes_the_assignment_invalid(bad):
+    with pytest.raises(AssignmentInvalid, match="restore_from"):
+        assignment(restore_from=bad)
