@@ -230,9 +230,13 @@ class JobRunner:
     def busy_gpus(self) -> set[int]:
         return {i for job in self._running.values() for i in job.assignment.gpu_indices}
 
+    def workdir_of(self, assignment_id: str) -> Path:
+        """The job's working directory (also after it exited: its notice and log stay there)."""
+        return self.jobs_dir / _safe_name(assignment_id)
+
     def start(self, assignment: Assignment, *, node_id: str | None) -> RunningJob:
         self.prepare()
-        workdir = self.jobs_dir / _safe_name(assignment.id)
+        workdir = self.workdir_of(assignment.id)
         try:
             make_job_dir(workdir, self.job_user)
         except OSError as err:

@@ -33,6 +33,7 @@ from agent.isolation import check_work_dir, default_work_dir, log_job_isolation,
 from agent.jobs import Assignment, AssignmentInvalid, JobExit, JobRunner, JobStartError
 from agent.jointoken import delete_token_file
 from agent.model import GpuReading, Health
+from agent.notices import NoticeWatcher
 from agent.procs import kill_orphan, process_start_ticks
 from agent.protocol import heartbeat_payload, registration_payload
 from agent.selffence import DEFAULT_FENCE_AFTER_S, SelfFence
@@ -106,6 +107,7 @@ class Agent:
         self.missed_heartbeats = 0
         self.last_error: str | None = None
         self.broker_says_lost = False
+        self.notices = NoticeWatcher()
         self._next_network_at = clock()
         self._next_heartbeat_at = clock()
         self._started = False
@@ -168,6 +170,8 @@ class Agent:
         self.start()
         for exit_ in self.runner.poll():
             self._record_exit(exit_)
+        for assignment_id, job in self.runner.running.items():
+            self._report_checkpoint(assignment_id, job.assignment.job_id, job.assignment.epoch)
         now = self.clock()
         self.fence.apply(self.runner, now)  # before any network wait: it must happen even in a long backoff
         if now >= self._next_heartbeat_at and (self._sampled_mono is None or now - self._sampled_mono >= self.heartbeat_s):
@@ -457,13 +461,30 @@ class Agent:
 
     def _record_running(self, job: Any) -> None:
         a = job.assignment
+        previous = self.state.jobs.get(a.id)
         self.state.jobs[a.id] = JobRecord(
             a.id, a.job_id, a.epoch, "running", pid=job.pid, pid_start_ticks=process_start_ticks(job.pid),
             gpu_indices=list(a.gpu_indices), checkpoint_requests=list(job.checkpoint_requests),
+            last_checkpoint_sha256=previous.last_checkpoint_sha256 if previous else None,
         )
         self.store.save_state(self.state)
 
+    def _report_checkpoint(self, assignment_id: str, job_id: str, epoch: int) -> None:
+        """Queue a `checkpoint_written` report for a notice whose manifest the broker has not heard
+        of. Only an extra report: the job's record keeps its state."""
+        record = self.state.jobs.get(assignment_id)
+        notice = self.notices.check(assignment_id, self.runner.workdir_of(assignment_id))
+        if notice is None or record is None or notice.manifest_sha256 == record.last_checkpoint_sha256:
+            return
+        record.last_checkpoint_sha256 = notice.manifest_sha256  # saved by _queue, with the report
+        self._queue(assignment_id, job_id, epoch, "checkpoint_written", None, f"checkpoint at step {notice.step}",
+                    reason="written", extra={"checkpoint": notice.to_json()})
+
     def _record_exit(self, exit_: JobExit) -> None:
+        # A job that saves and then exits at once (preemption) does so between two looks: its last
+        # checkpoint goes to the broker before its exit does.
+        self._report_checkpoint(exit_.assignment_id, exit_.job_id, exit_.epoch)
+        self.notices.forget(exit_.assignment_id)
         record = self.state.jobs.get(exit_.assignment_id)
         if record is not None:
             record.state = exit_.state
@@ -485,10 +506,14 @@ class Agent:
 
     def _fence_orphans(self) -> None:
         """A predecessor that crashed may have left jobs running that nobody supervises: stop them."""
-        for record in self.state.jobs.values():
+        for record in list(self.state.jobs.values()):  # each report saves state, which prunes old records
             if record.state != "running":
                 continue
             killed = kill_orphan(record.pid, record.pid_start_ticks, grace_s=self.config.stop_grace_s)
+            # A checkpoint it wrote while no agent watched still counts; one already reported
+            # before the crash is not reported again (the record keeps its manifest sha).
+            self._report_checkpoint(record.assignment_id, record.job_id, record.epoch)
+            self.notices.forget(record.assignment_id)
             record.state = "failed"
             record.pid = None
             how = "its process was stopped" if killed else "its process was already gone"

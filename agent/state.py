@@ -3,7 +3,8 @@
 - identity.json (mode 0600): node id and node token from registration.
 - state.json: a random agent key (sent at registration so the broker can recognise a retried
   registration), the highest epoch seen (stale-epoch refusal must survive restarts), the status
-  reports not yet delivered (outbox), and the assignments this agent has run.
+  reports not yet delivered (outbox), and the assignments this agent has run (with the last
+  checkpoint each one reported).
 Files are replaced atomically (write, fsync, rename) so a crash never leaves half a file.
 The directory is the agent's alone (mode 0700, checked at every start): jobs run as another user
 and their work dirs live elsewhere (agent/isolation.py).
@@ -43,6 +44,9 @@ class JobRecord:
     pid_start_ticks: int | None = None  # /proc/<pid>/stat start time: tells our process from a reused pid
     gpu_indices: list[int] = field(default_factory=list)
     checkpoint_requests: list[str] = field(default_factory=list)
+    # manifest_sha256 of the last checkpoint notice reported to the broker, so that a restarted
+    # agent does not report the same checkpoint again (agent/notices.py).
+    last_checkpoint_sha256: str | None = None
 
 
 @dataclass

@@ -63,3 +63,25 @@ STUBBORN = [PY, "-c", (
     "deadline = time.time() + 30\n"
     "while time.time() < deadline: time.sleep(0.02)\n"
 )]
+
+# Uses the real checkpoint helper (agent/checkpoint) from this checkout: writes what it restored
+# (WHALEZEN_RESTORE_FROM honoured) to `restored`, then saves $SAVES checkpoints at steps 10, 20,
+# ...; before each save after the first it waits for a file `go-<n>` from the test, so the test
+# decides when the next notice replaces the last one. Exits right after its last save (as a job
+# about to be preempted does), or sleeps on with LINGER=1.
+CHECKPOINTING = [PY, "-c", (
+    "import os, sys, time\n"
+    f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+    "from agent import checkpoint\n"
+    "ckpt = checkpoint.Checkpointer()\n"
+    "restored = ckpt.restore()\n"
+    "open('restored', 'w').write(str(restored.step if restored else None))\n"
+    "for n in range(1, int(os.environ.get('SAVES', '3')) + 1):\n"
+    "    deadline = time.time() + 30\n"
+    "    while n > 1 and not os.path.exists(f'go-{n}'):\n"
+    "        if time.time() > deadline: sys.exit(3)\n"
+    "        time.sleep(0.02)\n"
+    "    ckpt.save(n * 10, f'state-{n}'.encode())\n"
+    "deadline = time.time() + 30\n"
+    "while os.environ.get('LINGER') and time.time() < deadline: time.sleep(0.02)\n"
+)]
