@@ -72,6 +72,12 @@ def _run_parser() -> argparse.ArgumentParser:
                         help="stop every job when the broker has accepted no heartbeat for N seconds (env "
                         "WHALEZEN_AGENT_FENCE_AFTER_SECONDS, default %(default)s; 0: never). Must match the "
                         "broker's WHALEZEN_AGENT_FENCE_AFTER_SECONDS")
+    parser.add_argument("--spot-notice", choices=("none", "aws", "gcp", "local"), default="none",
+                        help="watch the instance metadata service for spot interruption notices and pass them "
+                        "to the broker (default: none)")
+    parser.add_argument("--metadata-url", metavar="URL", default=None,
+                        help="the metadata service (default for aws http://169.254.169.254, for gcp "
+                        "http://metadata.google.internal; required for local)")
     parser.add_argument("--log-level", default=os.environ.get("WHALEZEN_AGENT_LOG_LEVEL", "INFO"))
     return parser
 
@@ -140,6 +146,8 @@ def _run(args: argparse.Namespace) -> int:
         labels[key] = value
     if args.fake_faults and not args.fake_gpus:
         return _fail("--fake-faults needs --fake-gpus", EXIT_USAGE)
+    if args.metadata_url and args.spot_notice == "none":
+        return _fail("--metadata-url needs --spot-notice", EXIT_USAGE)
     if args.delete_join_token_file and not args.join_token_file:
         return _fail("--delete-join-token-file needs --join-token-file", EXIT_USAGE)
     try:
@@ -162,6 +170,8 @@ def _run(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         join_token_file=args.join_token_file if args.delete_join_token_file else None,
         fence_after_s=args.fence_after_seconds,
+        spot_notice=args.spot_notice,
+        metadata_url=args.metadata_url,
     )
     try:
         agent = Agent(config, backend)

@@ -37,6 +37,7 @@ from agent.notices import NoticeWatcher
 from agent.procs import kill_orphan, process_start_ticks
 from agent.protocol import heartbeat_payload, registration_payload
 from agent.selffence import DEFAULT_FENCE_AFTER_S, SelfFence
+from agent.spot import POLL_SECONDS as SPOT_POLL_SECONDS, SpotWatcher
 from agent.state import AgentState, Identity, JobRecord, StateStore
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class AgentConfig:
     work_dir: Path | None = None  # where job dirs go; None: `<state dir>-jobs`, never inside the state dir
     join_token_file: Path | None = None  # deleted once the node is registered (--delete-join-token-file)
     fence_after_s: float = DEFAULT_FENCE_AFTER_S  # stop every job after this long cut off; 0: never
+    spot_notice: str = "none"  # none | aws | gcp | local: where to watch for spot interruption notices
+    metadata_url: str | None = None  # the metadata service; None: the cloud's usual address (agent/spot.py)
+    spot_poll_s: float = SPOT_POLL_SECONDS
 
 
 class Agent:
@@ -108,6 +112,10 @@ class Agent:
         self.last_error: str | None = None
         self.broker_says_lost = False
         self.notices = NoticeWatcher()
+        # Raises ValueError (a usage error) for `local` without a URL.
+        self.spot = None if config.spot_notice == "none" else SpotWatcher(
+            config.spot_notice, config.metadata_url, poll_s=config.spot_poll_s, on_notice=lambda _: self._wake())
+        self._interruption_announced = False  # a heartbeat carrying the notice was delivered
         self._next_network_at = clock()
         self._next_heartbeat_at = clock()
         self._started = False
@@ -123,6 +131,8 @@ class Agent:
         # Before the first call to the broker: nothing a previous run left may keep running.
         self._fence_orphans()
         self.fence.log_setting()
+        if self.spot is not None:
+            self.spot.start()
         self._started = True
 
     def run(self) -> int:
@@ -140,6 +150,10 @@ class Agent:
     def request_stop(self, *_: Any) -> None:
         """Signal handler for SIGTERM/SIGINT: only a flag and a wake-up byte; the loop does the work."""
         self.stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        """End the loop's current wait now (from a signal handler or the spot-notice thread)."""
         if self._wake_w >= 0:
             try:
                 os.write(self._wake_w, b"x")
@@ -159,6 +173,8 @@ class Agent:
                             len(self.state.outbox), err)
         self.store.save_state(self.state)
         self.backend.close()
+        if self.spot is not None:
+            self.spot.stop()  # before the wake pipe closes: its thread writes to it
         if self._wake_r >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -173,6 +189,8 @@ class Agent:
         for assignment_id, job in self.runner.running.items():
             self._report_checkpoint(assignment_id, job.assignment.job_id, job.assignment.epoch)
         now = self.clock()
+        if self.spot is not None and self.spot.notice is not None and not self._interruption_announced:
+            self._next_heartbeat_at = min(self._next_heartbeat_at, now)  # the broker has little time: tell it now
         self.fence.apply(self.runner, now)  # before any network wait: it must happen even in a long backoff
         if now >= self._next_heartbeat_at and (self._sampled_mono is None or now - self._sampled_mono >= self.heartbeat_s):
             self._sample(now)
@@ -267,6 +285,7 @@ class Agent:
 
     def _heartbeat(self) -> None:
         assert self.identity is not None
+        notice = self.spot.notice if self.spot is not None else None  # read once: the thread may set it
         payload = heartbeat_payload(
             readings=self.last_sample,
             sampled_at=self.last_sample_at,
@@ -274,8 +293,11 @@ class Agent:
             max_epoch=self.state.max_epoch,
             missed_heartbeats=self.missed_heartbeats,
             last_error=self.last_error,
+            interruption=notice.to_json() if notice is not None else None,
         )
         body = self.client.heartbeat(self.identity.node_token, payload)
+        if notice is not None:
+            self._interruption_announced = True
         self.fence.contact()
         self.missed_heartbeats = 0
         self._see_epoch(body.get("epoch"))

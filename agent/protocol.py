@@ -66,8 +66,9 @@ def heartbeat_payload(
     max_epoch: int,
     missed_heartbeats: int,
     last_error: str | None,
+    interruption: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
+    payload: dict[str, Any] = {
         "agent_version": AGENT_VERSION,
         "sent_at": time.time(),
         "sampled_at": sampled_at,
@@ -87,3 +88,6 @@ def heartbeat_payload(
             for job in running.values()
         ],
     }
+    if interruption is not None:  # only then: a broker that predates the field must not see it
+        payload["interruption"] = interruption
+    return payload
