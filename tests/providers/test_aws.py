@@ -125,6 +125,7 @@ def test_retry_after_the_instance_was_terminated_launches_nothing(aws: AwsProvid
     assert len(calls) == 1
     live = ec2(aws_account).describe_instances(
         Filters=[{"Name": f"tag:{TAG_REQUEST}", "Values": [request.request_key]},
+                 {"Name": f"tag:{TAG_BROKER}", "Values": [aws.broker_id]},
                  {"Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
     assert live == []
 
