@@ -266,6 +266,10 @@ WHALEZEN_MAX_BODY_DEPTH = int(os.environ.get("WHALEZEN_MAX_BODY_DEPTH", 32))
 WHALEZEN_CHECKPOINT_ROOTS = [
     r.strip() for r in os.environ.get("WHALEZEN_CHECKPOINT_ROOTS", str(VAR_DIR / "checkpoints")).split(",") if r.strip()
 ]
+# A checkpoint request that gets no committed checkpoint in this time is given up (the job runs on).
+WHALEZEN_CHECKPOINT_TIMEOUT_SECONDS = float(os.environ.get("WHALEZEN_CHECKPOINT_TIMEOUT_SECONDS", 300))
+# Where the broker reads s3:// checkpoints to verify them (None: AWS itself; set for MinIO or moto).
+WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL = os.environ.get("WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL") or None
 DATA_UPLOAD_MAX_MEMORY_SIZE = WHALEZEN_MAX_BODY_BYTES
 
 # Task queue: Redis when REDIS_URL is set, otherwise Celery's file-system transport under var/.
@@ -301,6 +305,7 @@ CELERY_BEAT_SCHEDULE = {
     "agents-mark-lost": {"task": "agents.mark_lost",
                          "schedule": float(os.environ.get("WHALEZEN_LOST_SWEEP_SECONDS", 10))},
     "refresh-offers": {"task": "provisioning.refresh_offers", "schedule": 900.0},
+    "checkpoints-sweep": {"task": "checkpoints.sweep", "schedule": 5.0},
 }
 
 LOGGING = {

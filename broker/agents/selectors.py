@@ -84,7 +84,16 @@ def _assignment(allocation: Allocation, gpus: dict[int, str]) -> dict[str, Any]:
         "env": spec.get("env") or {},
         "checkpoint_uri": (spec.get("checkpoint") or {}).get("uri"),
         "checkpoint_request_id": _checkpoint_request_id(job) if action == "checkpoint" else None,
+        # What a (re)start resumes from: the newest committed checkpoint, "" for none (start afresh).
+        **({"restore_from": _restore_from(job)} if spec.get("checkpoint") else {}),
     }
+
+
+def _restore_from(job) -> str:
+    from broker.jobs.checkpoints import committed_checkpoint
+
+    checkpoint = committed_checkpoint(job)
+    return checkpoint.uri if checkpoint is not None else ""
 
 
 def _checkpoint_request_id(job) -> str:

@@ -233,7 +233,7 @@ class HeartbeatSerializer(StrictSerializer):
 
 
 # -- status reports ------------------------------------------------------------------------------
-STATUS_STATES = ["running", "checkpoint_requested", "exited", "failed", "stopped", "refused"]
+STATUS_STATES = ["running", "checkpoint_requested", "checkpoint_written", "exited", "failed", "stopped", "refused"]
 
 
 class FailedGpusField(serializers.DictField):
@@ -255,6 +255,15 @@ class FailedGpusField(serializers.DictField):
         return super().to_internal_value(data)
 
 
+class CheckpointWrittenSerializer(StrictSerializer):
+    """A checkpoint the job wrote (the helper's notice, agent/checkpoint), for the broker to verify."""
+
+    step = _int(min_value=0, max_value=2**62)
+    uri = StrictCharField(max_length=1024)
+    manifest_sha256 = StrictRegexField(r"^[0-9a-f]{64}$", max_length=64)
+    request_id = StrictCharField(max_length=128, required=False, allow_null=True, allow_blank=True)
+
+
 class StatusSerializer(StrictSerializer):
     epoch = _int(min_value=0, max_value=2**31 - 1)
     state = _choice(STATUS_STATES)
@@ -268,3 +277,9 @@ class StatusSerializer(StrictSerializer):
     output_tail = StrictCharField(max_length=16384, required=False, allow_blank=True, trim_whitespace=False)
     # GPU index -> health reasons, for a job that failed on a GPU the agent now sees as FAILED.
     failed_gpus = FailedGpusField(required=False)
+    checkpoint = CheckpointWrittenSerializer(required=False)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if (attrs.get("state") == "checkpoint_written") != ("checkpoint" in attrs):
+            raise serializers.ValidationError({"checkpoint": "Sent with state checkpoint_written, and only then."})
+        return attrs

@@ -365,6 +365,10 @@ def agent_report_status(*, node: Node, allocation_id: int, data: dict[str, Any])
     if Job.objects.filter(pk=allocation.job_id, state__in=TERMINAL_STATES).exists():
         return None
     state, reason = data["state"], data.get("reason") or ""
+    if state == "checkpoint_written":
+        # Not a state of the process: the report it replaces (running, exited...) must stay as it is.
+        _record_checkpoint(allocation=allocation, checkpoint=data["checkpoint"])
+        return AssignmentReport.objects.filter(allocation=allocation).first()
     report, _ = AssignmentReport.objects.update_or_create(allocation=allocation, defaults={
         "state": state, "reason": reason, "exit_code": data.get("exit_code"),
         "message": data.get("message") or "", "pid": data.get("pid"),
@@ -388,6 +392,19 @@ def agent_report_status(*, node: Node, allocation_id: int, data: dict[str, Any])
             _apply_report(job=job, allocation=allocation, state=state, reason=reason,
                           message=data.get("message") or state, node=node)
     return report
+
+
+def _record_checkpoint(*, allocation: Allocation, checkpoint: dict[str, Any]) -> None:
+    """A checkpoint from the allocation the job holds now; one from an older run is still recorded
+    (the files are the job's), but only its current run's checkpoints answer a request."""
+    from broker.jobs.checkpoints import CheckpointRefused, checkpoint_reported
+
+    try:
+        checkpoint_reported(allocation=allocation, step=checkpoint["step"], uri=checkpoint["uri"],
+                            manifest_sha256=checkpoint["manifest_sha256"],
+                            request_id=checkpoint.get("request_id"))
+    except CheckpointRefused as exc:
+        raise AgentError(str(exc), field=exc.field) from exc
 
 
 def _apply_report(*, job: Job, allocation: Allocation, state: str, reason: str, message: str, node: Node) -> None:

@@ -16,7 +16,8 @@ from broker.api.base import TenantScopedMixin
 from broker.api.schema import CONFLICT, THROTTLED, WhaleZenAutoSchema
 from broker.api.throttles import JobSubmitThrottle
 from broker.jobs import selectors, services
-from broker.jobs.models import Job, JobEvent
+from broker.jobs import checkpoints
+from broker.jobs.models import Checkpoint, Job, JobEvent
 from broker.jobs.spec import JobSpecSerializer
 from broker.jobs.states import JobState
 
@@ -74,6 +75,15 @@ class JobEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = JobEvent
         fields = ["id", "created_at", "kind", "reason_code", "message", "data"]
+
+
+class CheckpointOutSerializer(serializers.ModelSerializer):
+    written_on = serializers.CharField(source="allocation.node.name", default=None, read_only=True)
+
+    class Meta:
+        model = Checkpoint
+        fields = ["id", "step", "state", "size_bytes", "uri", "created_at", "committed_at", "request_id",
+                  "problem", "written_on"]
 
 
 class UtcIsoDateTimeField(IsoDateTimeField):
@@ -153,6 +163,26 @@ class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMix
         job = self.get_object()
         page = self.paginate_queryset(JobEvent.objects.filter(job=job).order_by("created_at", "id"))
         return self.get_paginated_response(JobEventSerializer(page, many=True).data)
+
+    @extend_schema(request=None, responses={200: CheckpointOutSerializer(many=True)}, filters=False)
+    @action(detail=True, methods=["get"])
+    def checkpoints(self, request: Request, pk: str | None = None) -> Response:
+        """The job's checkpoints, newest first: PENDING (being verified), COMMITTED (a restart resumes
+        from the newest), INVALID (failed verification, never restored) or DELETED (pruned)."""
+        job = self.get_object()
+        page = self.paginate_queryset(Checkpoint.objects.filter(job=job).select_related("allocation__node")
+                                      .order_by("-step", "-id"))
+        return self.get_paginated_response(CheckpointOutSerializer(page, many=True).data)
+
+    @extend_schema(request=None, responses={202: JobSerializer, 409: CONFLICT})
+    @action(detail=True, methods=["post"])
+    def checkpoint(self, request: Request, pk: str | None = None) -> Response:
+        """Ask the running job for a checkpoint now. 202: the request is on its way (the job is
+        CHECKPOINTING until one is committed, or the request times out and it runs on)."""
+        job = self.get_object()
+        checkpoints.checkpoint_request(job=job, reason_code="USER_CHECKPOINT",
+                                       message=f"Checkpoint requested by {request.user}.")
+        return Response(JobSerializer(self.get_queryset().get(pk=job.pk)).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={200: JobSerializer, 409: CONFLICT})
     @action(detail=True, methods=["post"])

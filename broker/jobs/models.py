@@ -133,13 +133,27 @@ class CheckpointState(models.TextChoices):
 
 
 class Checkpoint(models.Model):
+    """One checkpoint a job wrote (agent/checkpoint): PENDING until the broker has re-read every file
+    against its manifest, then COMMITTED (restorable) or INVALID (never restored). Older committed
+    ones beyond the newest two are DELETED from storage."""
+
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
-    uri = models.CharField(max_length=1024)
+    # The run that wrote it (None for rows older than the agent's reports).
+    allocation = models.ForeignKey("Allocation", on_delete=models.SET_NULL, null=True, blank=True,
+                                   related_name="checkpoints")
+    uri = models.CharField(max_length=1024)  # the checkpoint's own directory: <spec uri>/step-NNNNNNNNNNNN
     step = models.BigIntegerField(default=0)
     manifest = models.JSONField(default=dict, blank=True)
+    manifest_sha256 = models.CharField(max_length=64, blank=True)
+    request_id = models.CharField(max_length=128, blank=True)  # the broker's request it answered, if any
+    size_bytes = models.BigIntegerField(null=True, blank=True)
+    problem = models.TextField(blank=True)  # why it is INVALID
     state = models.CharField(max_length=16, choices=CheckpointState.choices, default=CheckpointState.PENDING)
     created_at = models.DateTimeField(auto_now_add=True)
     committed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
+        constraints = [models.UniqueConstraint(fields=["job", "uri", "manifest_sha256"],
+                                               name="one_row_per_written_checkpoint")]
+        indexes = [models.Index(fields=["job", "state", "step"], name="jobs_ckpt_job_state_step")]

@@ -276,6 +276,14 @@ class CheckpointSerializer(StrictSerializer):
     uri = StrictCharField(max_length=1024, help_text="s3://bucket/prefix, or an absolute path or file:// URI "
                                                      "under one of the broker's checkpoint roots.")
     interval_minutes = StrictIntegerField(required=False, min_value=1, max_value=24 * 60)
+    interval_seconds = StrictIntegerField(required=False, min_value=10, max_value=24 * 3600,
+                                          help_text="The same in seconds (at least 10), e.g. for a demo.")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "interval_minutes" in attrs and "interval_seconds" in attrs:
+            raise serializers.ValidationError({"interval_seconds": "Give interval_minutes or interval_seconds, "
+                                                                   "not both."})
+        return attrs
 
     def validate_uri(self, value: str) -> str:
         if "\x00" in value or ".." in value.split("/"):

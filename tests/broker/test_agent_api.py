@@ -252,7 +252,8 @@ def test_assignments_list_active_allocations_with_everything_to_start_them(acme,
     assert a == {"id": str(allocation.pk), "job_id": str(job.pk), "epoch": allocation.epoch, "action": "start",
                  "gpu_indices": [1, 3], "gpu_uuids": [uuids[1], uuids[3]], "gpu_milli": 1000,
                  "command": ["python", "train.py"], "env": {"LR": "0.1"},
-                 "checkpoint_uri": "s3://ckpt-bucket/train", "checkpoint_request_id": None}
+                 "checkpoint_uri": "s3://ckpt-bucket/train", "checkpoint_request_id": None,
+                 "restore_from": ""}  # no committed checkpoint yet: start afresh
 
 
 def test_checkpointing_and_migrating_jobs_get_checkpoint_and_stop(acme, registered):
