@@ -31,15 +31,17 @@ def is_alive(pid: int, start_time: int | None) -> bool:
 
 
 def spawn(command: Sequence[str], *, log_path: Path, env: Mapping[str, str] | None = None,
-          stdin_data: bytes | None = None) -> subprocess.Popen[bytes]:
+          stdin_data: bytes | None = None, pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
     """Start `command` in its own session. `stdin_data` (the agent's join token) is all its stdin
-    will ever read: written to a pipe that is closed at once (it fits the pipe's buffer)."""
+    will ever read: written to a pipe that is closed at once (it fits the pipe's buffer).
+    `pass_fds` stay open in it (the instance's metadata socket)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         # Own session: terminate() can signal the agent and everything it started (jobs).
         process = subprocess.Popen(
             list(command), stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True, env=dict(env) if env is not None else None,
+            pass_fds=tuple(pass_fds),
         )
     if stdin_data is not None:
         assert process.stdin is not None

@@ -4,13 +4,24 @@ interruptions) for demos and tests.
 
 State lives in `state_dir/instances/<id>.json` (pid, process start time, request key), so
 `list_owned` and `terminate` keep working after the broker restarts.
+
+Each instance is providers/local/instance.py with the agent as its child: it serves the
+instance's own metadata endpoint (AWS IMDSv2 answers, on 127.0.0.1 under an unguessable path),
+and the agent is started with `--spot-notice local --metadata-url <that endpoint>`.
+`interrupt(ref, after_seconds=120)` posts a spot notice there (a file in this provider's state
+dir, `instances/<id>.spot`); when its time passes the instance ends itself, as a cloud would, and
+the provider also terminates it the next time it looks (describe, list_owned, tick).
 """
 from __future__ import annotations
 
 import fcntl
+import inspect
 import json
+import math
 import os
 import random
+import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -68,6 +79,9 @@ class CloudSimulation:
     capacity_error_probability: float = 0.0
     forced_capacity_errors: frozenset[tuple[str, str]] = frozenset()  # (zone, instance_type); "*" = any
     spot_interruption_probability: float = 0.0  # per spot instance per tick()
+    # How long before an interruption tick() posts its spot notice (AWS gives 120 s); 0: the
+    # instance is terminated at once, without a notice.
+    spot_notice_seconds: float = 0.0
     seed: int = 0
 
 
@@ -91,20 +105,39 @@ def agent_environment(parent: Mapping[str, str]) -> dict[str, str]:
 JOIN_TOKEN_ENV = "WHALEZEN_JOIN_TOKEN"
 
 
-def agent_command(python: str, state_root: str | os.PathLike[str] | None = None) -> CommandFactory:
-    """`<python> -m agent --server URL --fake-gpus SPEC --name NAME --join-token - [--state-dir DIR]`;
-    the join token arrives on the agent's stdin (`--join-token -`): neither its command line nor its
-    environment holds it. Each agent gets its own state dir: agents started as root would otherwise
-    all share /var/lib/whalezen-agent and its node token."""
+INSTANCE_SCRIPT = Path(__file__).resolve().with_name("instance.py")
+SPOT_NOTICE_SECONDS = 120.0  # what AWS gives
 
-    def build(request: ProvisionRequest, name: str, shape: LocalShape) -> list[str]:
+
+def agent_command(python: str, state_root: str | os.PathLike[str] | None = None) -> CommandFactory:
+    """`<python> -m agent --server URL --fake-gpus SPEC --name NAME --join-token - [--state-dir DIR]
+    [--spot-notice local --metadata-url URL]`; the join token arrives on the agent's stdin
+    (`--join-token -`): neither its command line nor its environment holds it. Each agent gets its
+    own state dir: agents started as root would otherwise all share /var/lib/whalezen-agent and its
+    node token. The provider passes each instance's metadata endpoint as `metadata_url`."""
+
+    def build(request: ProvisionRequest, name: str, shape: LocalShape, metadata_url: str | None = None) -> list[str]:
         argv = [python, "-m", "agent", "--server", request.agent_server_url, "--fake-gpus", shape.fake_gpus,
                 "--name", name, "--join-token", "-"]
         if state_root is not None:
             argv += ["--state-dir", str(Path(state_root) / name)]
+        if metadata_url is not None:
+            argv += ["--spot-notice", "local", "--metadata-url", metadata_url]
         return argv
 
     return build
+
+
+def _takes_metadata_url(factory: CommandFactory) -> bool:
+    """Command factories written before metadata endpoints take three arguments; they still work."""
+    try:
+        return "metadata_url" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _iso_z(moment: float) -> str:
+    return datetime.fromtimestamp(moment, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -125,6 +158,8 @@ class _Record:
     state: str = "running"  # running | terminated
     state_reason: str = ""
     tags: dict[str, str] = field(default_factory=dict)
+    metadata_url: str = ""  # the instance's metadata endpoint (empty: a record from before they existed)
+    spot_deadline: float | None = None  # a spot notice was posted: the instance ends at this Unix time
 
 
 class LocalProvider(Provider):
@@ -150,6 +185,7 @@ class LocalProvider(Provider):
         self.shapes = {s.instance_type: s for s in shapes}
         self.region = region
         self.zones = list(zones)
+        self.python = python
         self.command_factory = command_factory or agent_command(python, self.state_dir / "agents")
         self.simulation = simulation
         self.env = env
@@ -177,6 +213,10 @@ class LocalProvider(Provider):
     def _path(self, instance_id: str) -> Path:
         return self.state_dir / "instances" / f"{instance_id}.json"
 
+    def _notice_path(self, instance_id: str) -> Path:
+        # Not *.json: _records() globs those. Read by the instance's own process (instance.py).
+        return self.state_dir / "instances" / f"{instance_id}.spot"
+
     def _save(self, record: _Record) -> None:
         path = self._path(record.instance_id)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # unique per writer
@@ -203,7 +243,10 @@ class LocalProvider(Provider):
         if record.state == "running" and not processes.is_alive(record.pid, record.pid_start):
             # The agent process is gone (crashed, killed): for a simulated cloud that is a lost
             # instance, and we know for sure it is not running any more.
-            record.state, record.state_reason = "terminated", record.state_reason or "process-exited"
+            # An instance that ended itself at its spot notice's time was interrupted, not lost.
+            interrupted = record.spot_deadline is not None and self._clock() >= record.spot_deadline - 1
+            record.state = "terminated"
+            record.state_reason = record.state_reason or ("spot-interruption" if interrupted else "process-exited")
             self._save(record)
         if record.state == "terminated":
             state = InstanceState.TERMINATED
@@ -259,12 +302,28 @@ class LocalProvider(Provider):
             name = request.node_name or instance_id
             env = dict(self.env) if self.env is not None else agent_environment(os.environ)
             env.pop(JOIN_TOKEN_ENV, None)
-            process = processes.spawn(
-                self.command_factory(request, name, shape),
-                log_path=self.state_dir / "logs" / f"{instance_id}.log",
-                env=env,
-                stdin_data=f"{request.agent_join_token}\n".encode(),
-            )
+            # The metadata endpoint's socket is bound here, so its URL is in the agent's command
+            # line from the start; the instance process serves on it (instance.py).
+            listener = socket.create_server(("127.0.0.1", 0))
+            secret = secrets.token_urlsafe(24)
+            metadata_url = f"http://127.0.0.1:{listener.getsockname()[1]}/{secret}"
+            if _takes_metadata_url(self.command_factory):
+                command = self.command_factory(request, name, shape, metadata_url=metadata_url)
+            else:
+                command = self.command_factory(request, name, shape)
+            self._notice_path(instance_id).unlink(missing_ok=True)
+            try:
+                process = processes.spawn(
+                    [self.python, str(INSTANCE_SCRIPT), "--listen-fd", str(listener.fileno()), "--secret", secret,
+                     "--notice-file", str(self._notice_path(instance_id)), "--grace", f"{self.stop_timeout_s:g}",
+                     "--", *command],
+                    log_path=self.state_dir / "logs" / f"{instance_id}.log",
+                    env=env,
+                    stdin_data=f"{request.agent_join_token}\n".encode(),
+                    pass_fds=(listener.fileno(),),
+                )
+            finally:
+                listener.close()  # the instance has its own copy
             self._children[process.pid] = process
             now = self._clock()
             record = _Record(
@@ -274,6 +333,7 @@ class LocalProvider(Provider):
                 pid_start=processes.process_start_time(process.pid), created_at=now,
                 ready_at=now + self.simulation.launch_latency_s,
                 tags=self.broker_tags(request, created_at=datetime.fromtimestamp(now, tz=timezone.utc)),
+                metadata_url=metadata_url,
             )
             self._save(record)
         return self._info(record)
@@ -282,6 +342,8 @@ class LocalProvider(Provider):
         record = self._load(ref.instance_id)
         if record is None or record.broker_id != self.broker_id:
             return InstanceInfo(ref=ref, state=InstanceState.TERMINATED, state_reason="not-found")
+        if self._notice_expired(record):
+            return self.terminate(ref, reason="spot-interruption")
         return self._info(record)
 
     def terminate(self, ref: InstanceRef, *, reason: str = "terminated") -> InstanceInfo:
@@ -289,6 +351,7 @@ class LocalProvider(Provider):
             record = self._load(ref.instance_id)
             if record is None or record.broker_id != self.broker_id:
                 return InstanceInfo(ref=ref, state=InstanceState.TERMINATED, state_reason="not-found")
+            self._notice_path(record.instance_id).unlink(missing_ok=True)
             if record.state != "terminated":
                 if not processes.stop(record.pid, record.pid_start, timeout_s=self.stop_timeout_s,
                                       children=self._children):
@@ -298,21 +361,55 @@ class LocalProvider(Provider):
             return self._info(record)
 
     def list_owned(self) -> list[InstanceInfo]:
-        return [self._info(r) for r in self._records()]
+        return [self.terminate(self._ref(r), reason="spot-interruption") if self._notice_expired(r) else self._info(r)
+                for r in self._records()]
+
+    def _ref(self, record: _Record) -> InstanceRef:
+        return InstanceRef(provider="local", region=record.region, zone=record.zone, instance_id=record.instance_id)
 
     # -- cloud simulation ----------------------------------------------------------------
-    def interrupt(self, ref: InstanceRef) -> InstanceInfo:
-        """Simulate a spot interruption of one instance: its agent is killed and it is gone."""
-        return self.terminate(ref, reason="spot-interruption")
+    def _notice_expired(self, record: _Record) -> bool:
+        return record.state != "terminated" and record.spot_deadline is not None and \
+            self._clock() >= record.spot_deadline
+
+    def interrupt(self, ref: InstanceRef, after_seconds: float = SPOT_NOTICE_SECONDS) -> InstanceInfo:
+        """Post a spot interruption notice: the instance's metadata endpoint answers it from now
+        on (its agent tells the broker), and the instance is terminated once `after_seconds`
+        have passed. `after_seconds <= 0`: terminated at once, without a notice. A second notice
+        never moves the time of the first one later."""
+        if after_seconds <= 0:
+            return self.terminate(ref, reason="spot-interruption")
+        with self._locked():
+            record = self._load(ref.instance_id)
+            if record is None or record.broker_id != self.broker_id:
+                return InstanceInfo(ref=ref, state=InstanceState.TERMINATED, state_reason="not-found")
+            if record.state == "terminated":
+                return self._info(record)
+            # Whole seconds, rounded up: the notice's time (ISO, to the second) is the deadline itself.
+            deadline = float(math.ceil(self._clock() + after_seconds))
+            if record.spot_deadline is not None:
+                deadline = min(deadline, record.spot_deadline)
+            notice = {"action": "terminate", "time": _iso_z(deadline)}
+            path = self._notice_path(record.instance_id)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+            tmp.write_text(json.dumps(notice))
+            os.replace(tmp, path)  # the instance never reads half a notice
+            record.spot_deadline = deadline
+            self._save(record)
+            return self._info(record)
 
     def tick(self) -> list[InstanceInfo]:
-        """One step of the simulated spot market: each running spot instance is interrupted
-        with `spot_interruption_probability`. Returns the interrupted instances."""
+        """One step of the simulated spot market: each running spot instance without a notice yet
+        is interrupted with `spot_interruption_probability` (a notice `spot_notice_seconds` ahead,
+        or at once when that is 0). Returns the interrupted instances; instances whose notice ran
+        out are terminated too (by list_owned)."""
         interrupted = []
         for info in self.list_owned():
             if info.spot and info.state is not InstanceState.TERMINATED:
-                if self._rng.random() < self.simulation.spot_interruption_probability:
-                    interrupted.append(self.interrupt(info.ref))
+                record = self._load(info.ref.instance_id)
+                if record is not None and record.spot_deadline is None and \
+                        self._rng.random() < self.simulation.spot_interruption_probability:
+                    interrupted.append(self.interrupt(info.ref, after_seconds=self.simulation.spot_notice_seconds))
         return interrupted
 
     def prune(self, *, older_than_s: float) -> int:
@@ -322,5 +419,6 @@ class LocalProvider(Provider):
             for record in self._records():
                 if record.state == "terminated" and self._clock() - record.created_at > older_than_s:
                     self._path(record.instance_id).unlink(missing_ok=True)
+                    self._notice_path(record.instance_id).unlink(missing_ok=True)
                     removed += 1
         return removed

@@ -3,6 +3,7 @@ injectable command), state files that survive a restart, and the cloud simulatio
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from datetime import datetime, timedelta, timezone
@@ -27,8 +28,9 @@ STAND_IN = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps
 def stand_in(argv_dir: Path):
     real = agent_command(sys.executable, "/agent-state")
 
-    def build(request: ProvisionRequest, name: str, shape: LocalShape) -> Sequence[str]:
-        return [sys.executable, "-c", STAND_IN, str(argv_dir / f"{name}.json"), *real(request, name, shape)[1:]]
+    def build(request: ProvisionRequest, name: str, shape: LocalShape, metadata_url: str | None = None) -> Sequence[str]:
+        return [sys.executable, "-c", STAND_IN, str(argv_dir / f"{name}.json"),
+                *real(request, name, shape, metadata_url=metadata_url)[1:]]
 
     return build
 
@@ -77,9 +79,12 @@ def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path, monke
     info = provider.provision(request)
     assert info.state is InstanceState.RUNNING and info.request_key == request.request_key
     started = json.loads(wait_for(tmp_path / f"{request.node_name}.json"))
-    assert started["argv"] == ["-m", "agent", "--server", "http://broker.test:8000", "--fake-gpus", "8xA100-80GB-SXM",
-                               "--name", request.node_name, "--join-token", "-",
-                               "--state-dir", f"/agent-state/{request.node_name}"]
+    assert started["argv"][:-1] == [
+        "-m", "agent", "--server", "http://broker.test:8000", "--fake-gpus", "8xA100-80GB-SXM",
+        "--name", request.node_name, "--join-token", "-", "--state-dir", f"/agent-state/{request.node_name}",
+        "--spot-notice", "local", "--metadata-url"]
+    # Its own metadata endpoint: loopback only, under a path nobody can guess.
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/[A-Za-z0-9_-]{32}", started["argv"][-1])
     # On stdin: neither `ps` (argv) nor /proc/<pid>/environ, which a job could read, holds it.
     assert started["stdin"] == "join-secret-123\n"
     assert started["env_token"] is None
