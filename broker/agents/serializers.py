@@ -221,6 +221,15 @@ class ProcessSerializer(StrictSerializer):
     state = _choice(["running", "stopping"], required=False)
 
 
+class InterruptionSerializer(StrictSerializer):
+    """The cloud's notice that it takes the instance back (agent/spot.py)."""
+
+    kind = _choice(["spot"])
+    action = _choice(["terminate", "stop", "hibernate"])
+    deadline = StrictFloatField(min_value=0, max_value=2**40)
+    source = _choice(["aws", "gcp", "local"])
+
+
 class HeartbeatSerializer(StrictSerializer):
     agent_version = _text(32, nullable=False)
     sent_at = _nullable_float(min_value=0)
@@ -230,6 +239,7 @@ class HeartbeatSerializer(StrictSerializer):
     last_error = _text(2000)
     telemetry = ReadingSerializer(many=True, max_length=MAX_GPUS, required=False)
     processes = ProcessSerializer(many=True, max_length=256, required=False)
+    interruption = InterruptionSerializer(required=False)
 
 
 # -- status reports ------------------------------------------------------------------------------

@@ -343,6 +343,10 @@ def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
         NodeAgent.objects.filter(node=node).update(
             last_telemetry=data.get("telemetry", []), processes=data.get("processes", []),
             missed_heartbeats=data.get("missed_heartbeats") or 0, last_error=data.get("last_error") or "")
+    if data.get("interruption"):
+        from broker.agents.interruptions import node_interruption_notice
+
+        node_interruption_notice(node=node, notice=data["interruption"])
     if came_back:
         log.warning("node %s is back after being marked LOST", node.name)
     epoch = Node.objects.filter(pk=node.pk).values_list("epoch", flat=True).get()

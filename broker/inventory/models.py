@@ -96,6 +96,9 @@ class Node(models.Model):
     agent_version = models.CharField(max_length=32, blank=True)
     topology = models.JSONField(default=dict, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # The cloud's notice that it takes this instance back (spot): kind, action, deadline, source,
+    # received_at. Set once by the first heartbeat that carries it; the node is DRAINING from then.
+    interruption = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -213,6 +213,10 @@ def _answer_request(*, job: Job, checkpoint: Checkpoint) -> None:
     entered = _checkpointing_since(job)
     if entered is not None and checkpoint.created_at < entered:
         return  # written before the request: not an answer to it
+    from broker.agents.interruptions import move_off_interrupted_node
+
+    if move_off_interrupted_node(job=job, step=checkpoint.step):
+        return
     try:
         job_transition(job=job, to=JobState.RUNNING, reason_code="CHECKPOINT_COMMITTED",
                        message=f"Checkpoint at step {checkpoint.step} committed; running on.",
