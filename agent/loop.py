@@ -295,7 +295,20 @@ class Agent:
             last_error=self.last_error,
             interruption=notice.to_json() if notice is not None else None,
         )
-        body = self.client.heartbeat(self.identity.node_token, payload)
+        try:
+            body = self.client.heartbeat(self.identity.node_token, payload)
+        except BrokerRejected as err:
+            if "interruption" not in payload:
+                raise
+            # A broker that predates the field refuses the whole heartbeat (strict validation):
+            # losing the notice is better than losing the node's heartbeats two minutes early.
+            log.error("broker refused the heartbeat with the spot notice (%s); sending heartbeats without it", err)
+            if self.spot is not None:
+                self.spot.stop()
+                self.spot = None
+            payload.pop("interruption")
+            body = self.client.heartbeat(self.identity.node_token, payload)
+            notice = None
         if notice is not None:
             self._interruption_announced = True
         self.fence.contact()
@@ -420,7 +433,9 @@ class Agent:
         except JobStartError as err:
             self._finish_unstarted(a, "failed", str(err), reason="start_error")
             return
-        self._record_running(job)
+        # One save for the record and its report: an agent killed between two saves would leave a
+        # running job the broker never hears started.
+        self._record_running(job, save=False)
         self._queue(a.id, a.job_id, a.epoch, "running", None, f"started pid {job.pid}", reason="started",
                     pid=job.pid)
 
@@ -481,7 +496,7 @@ class Agent:
         self.state.jobs[a.id] = JobRecord(a.id, a.job_id, a.epoch, state, gpu_indices=list(a.gpu_indices))
         self._queue(a.id, a.job_id, a.epoch, state, None, message, reason=reason)
 
-    def _record_running(self, job: Any) -> None:
+    def _record_running(self, job: Any, *, save: bool = True) -> None:
         a = job.assignment
         previous = self.state.jobs.get(a.id)
         self.state.jobs[a.id] = JobRecord(
@@ -489,7 +504,8 @@ class Agent:
             gpu_indices=list(a.gpu_indices), checkpoint_requests=list(job.checkpoint_requests),
             last_checkpoint_sha256=previous.last_checkpoint_sha256 if previous else None,
         )
-        self.store.save_state(self.state)
+        if save:
+            self.store.save_state(self.state)
 
     def _report_checkpoint(self, assignment_id: str, job_id: str, epoch: int) -> None:
         """Queue a `checkpoint_written` report for a notice whose manifest the broker has not heard

@@ -125,7 +125,7 @@ class NoticeWatcher:
             return read_notice(path)
         except FileNotFoundError:
             return None
-        except NoticeInvalid as err:
+        except (NoticeInvalid, OSError) as err:  # OSError: a read error (EIO) is no reason to stop the loop
             if assignment_id not in self._warned:
                 self._warned.add(assignment_id)
                 log.warning("assignment %s: ignoring its checkpoint notice %s: %s "

@@ -25,6 +25,7 @@ class FakeBrokerState:
     requests: list[tuple[str, str]] = field(default_factory=list)
     reject_status_for: set[str] = field(default_factory=set)  # assignment ids answered 409
     revoked_tokens: set[str] = field(default_factory=set)
+    unknown_heartbeat_fields: set[str] = field(default_factory=set)  # answered 400, as a strict older broker does
     on_request: Callable[[str, str], None] | None = None  # called with (method, path) before answering
 
 
@@ -121,6 +122,8 @@ class _Handler(BaseHTTPRequestHandler):
             if node is None:
                 return self._send(401, {"detail": "invalid node token"})
             if method == "POST" and self.path == "/api/v1/agent/heartbeat":
+                if state.unknown_heartbeat_fields & set(body):
+                    return self._send(400, {"detail": "unknown field"})
                 state.heartbeats.append({"node_id": node["node_id"], **body})
                 return self._send(200, {"epoch": state.epoch, "lost": state.lost,
                                         "heartbeat_seconds": state.heartbeat_seconds})

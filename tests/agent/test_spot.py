@@ -117,6 +117,24 @@ def test_a_notice_goes_out_in_a_heartbeat_at_once_and_in_every_one_after(open_di
         agent.shutdown()
 
 
+def test_a_broker_that_refuses_the_field_still_gets_heartbeats(open_dir, broker, clock, metadata):
+    broker.state.unknown_heartbeat_fields = {"interruption"}
+    metadata.instance_action = {"action": "terminate", "time": "2026-12-01T12:00:00Z"}
+    agent = make_agent(open_dir, broker, clock, spot_notice="aws", metadata_url=metadata.url, spot_poll_s=0.05)
+    try:
+        agent.start()
+        deadline = time.monotonic() + 10
+        while agent.spot.notice is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for _ in range(3):
+            agent.step()
+            clock.advance(5)
+        assert len(broker.state.heartbeats) == 3 and interruptions(broker) == [None] * 3
+    finally:
+        agent.shutdown()
+
+
 def test_a_hanging_metadata_service_never_delays_the_loop(open_dir, broker, clock, metadata):
     metadata.hang_s = 3.0
     agent = make_agent(open_dir, broker, clock, spot_notice="aws", metadata_url=metadata.url, spot_poll_s=0.05)
