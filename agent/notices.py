@@ -86,7 +86,7 @@ def parse_notice(data: Any) -> CheckpointNotice:
         raise NoticeInvalid("it is not a JSON object")
     step = data.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise NoticeInvalid(f"step must be a whole number from 0 to 2**62")
+        raise NoticeInvalid("step must be a whole number from 0 to 2**62")
     uri = data.get("uri")
     if not isinstance(uri, str) or not uri or len(uri) > MAX_URI_CHARS:
         raise NoticeInvalid(f"uri must be a string of 1 to {MAX_URI_CHARS} characters")

@@ -12,7 +12,6 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-import pytest
 
 from providers.base import InstanceState
 from providers.local import CloudSimulation, LocalProvider
