@@ -23,6 +23,7 @@ from broker.agents.models import AssignmentReport, NodeAgent
 from broker.inventory.models import CloudInstance, Gpu, GpuHealth, Node, NodeState, Pool
 from broker.inventory.services import gpu_model_resolve
 from broker.jobs.models import Allocation, Job
+from broker.jobs.migration import migration_job_running, migration_source_stopped
 from broker.jobs.services import (IllegalTransition, StaleState, event_append, job_requeue, job_transition,
                                   jobs_requeue_on_node)
 from broker.jobs.states import TERMINAL_STATES, JobState
@@ -417,6 +418,12 @@ def _apply_report(*, job: Job, allocation: Allocation, state: str, reason: str, 
     if state == "running" and job.state in before_running:
         _advance(job, [JobState.STARTING, JobState.RUNNING], reason_code="AGENT_RUNNING",
                  message=f"Running on {node.name}.")
+        job.refresh_from_db()
+        if job.state == JobState.RUNNING:
+            migration_job_running(job=job)
+    elif state in ("stopped", "failed") and job.state == JobState.MIGRATING and migration_source_stopped(
+            job=job, allocation=allocation):
+        pass  # the moved job's source is down: it is being placed on its target
     elif state == "exited":
         others = (Allocation.objects.filter(job=job, active=True).exclude(pk=allocation.pk)
                   .exclude(agent_report__state="exited"))

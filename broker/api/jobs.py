@@ -13,11 +13,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from broker.api.base import TenantScopedMixin
+from broker.api.fields import StrictCharField, StrictSerializer
 from broker.api.schema import CONFLICT, THROTTLED, WhaleZenAutoSchema
 from broker.api.throttles import JobSubmitThrottle
 from broker.jobs import selectors, services
 from broker.jobs import checkpoints
-from broker.jobs.models import Checkpoint, Job, JobEvent
+from broker.jobs.migration import migration_phases, migration_request
+from broker.jobs.models import Checkpoint, Job, JobEvent, Migration
 from broker.jobs.spec import JobSpecSerializer
 from broker.jobs.states import JobState
 
@@ -84,6 +86,31 @@ class CheckpointOutSerializer(serializers.ModelSerializer):
         model = Checkpoint
         fields = ["id", "step", "state", "size_bytes", "uri", "created_at", "committed_at", "request_id",
                   "problem", "written_on"]
+
+
+class MigrationOutSerializer(serializers.ModelSerializer):
+    source = serializers.CharField(source="source_node", read_only=True)
+    target = serializers.SerializerMethodField()
+    to = serializers.CharField(source="placed_on", read_only=True)
+    downtime_s = serializers.FloatField(source="downtime_seconds", read_only=True, allow_null=True)
+    phases = serializers.SerializerMethodField()
+    restored_step = serializers.IntegerField(source="checkpoint.step", default=None, read_only=True)
+
+    class Meta:
+        model = Migration
+        fields = ["id", "cause", "state", "source", "target", "to", "downtime_s", "phases", "restored_step",
+                  "outcome", "requested_at", "finished_at"]
+
+    def get_target(self, migration: Migration) -> str:
+        return migration.target_node or (f"pool {migration.target_pool}" if migration.target_pool else "anywhere")
+
+    def get_phases(self, migration: Migration) -> dict[str, float | None]:
+        return migration_phases(migration)
+
+
+class MigrateRequestSerializer(StrictSerializer):
+    node = StrictCharField(required=False, max_length=200, help_text="Move to this node (a name).")
+    pool = StrictCharField(required=False, max_length=200, help_text="Move into this pool (a name).")
 
 
 class UtcIsoDateTimeField(IsoDateTimeField):
@@ -183,6 +210,28 @@ class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMix
         checkpoints.checkpoint_request(job=job, reason_code="USER_CHECKPOINT",
                                        message=f"Checkpoint requested by {request.user}.")
         return Response(JobSerializer(self.get_queryset().get(pk=job.pk)).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=MigrateRequestSerializer, responses={202: MigrationOutSerializer, 409: CONFLICT})
+    @action(detail=True, methods=["post"])
+    def migrate(self, request: Request, pk: str | None = None) -> Response:
+        """Move the running job by checkpoint: to a node, into a pool, or (no body) anywhere else.
+        202: the move has begun (GET .../migrations/ follows it). 409 when the job is not running, has
+        no checkpoint.uri, is being moved already, or the target has no room (the reason says why)."""
+        job = self.get_object()
+        body = MigrateRequestSerializer(data=request.data or {})
+        body.is_valid(raise_exception=True)
+        migration = migration_request(job=job, target_node=body.validated_data.get("node", ""),
+                                      target_pool=body.validated_data.get("pool", ""),
+                                      message="")
+        return Response(MigrationOutSerializer(migration).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={200: MigrationOutSerializer(many=True)}, filters=False)
+    @action(detail=True, methods=["get"])
+    def migrations(self, request: Request, pk: str | None = None) -> Response:
+        """The job's moves, newest first: cause, from, to, downtime and its phases, outcome."""
+        job = self.get_object()
+        page = self.paginate_queryset(Migration.objects.filter(job=job).select_related("checkpoint"))
+        return self.get_paginated_response(MigrationOutSerializer(page, many=True).data)
 
     @extend_schema(request=None, responses={200: JobSerializer, 409: CONFLICT})
     @action(detail=True, methods=["post"])

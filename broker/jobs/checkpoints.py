@@ -214,7 +214,10 @@ def _answer_request(*, job: Job, checkpoint: Checkpoint) -> None:
     if entered is not None and checkpoint.created_at < entered:
         return  # written before the request: not an answer to it
     from broker.agents.interruptions import move_off_interrupted_node
+    from broker.jobs.migration import migration_checkpoint_committed
 
+    if migration_checkpoint_committed(job=job, checkpoint=checkpoint):
+        return
     if move_off_interrupted_node(job=job, step=checkpoint.step):
         return
     try:
@@ -294,7 +297,10 @@ def checkpoints_sweep(*, now: datetime | None = None) -> SweepOutcome:
                                    "the request; the job runs on where it was.")
             timed_out.append(job.pk)
         except (IllegalTransition, StaleState):
-            pass
+            continue
+        from broker.jobs.migration import migration_roll_back
+
+        migration_roll_back(job=job, why=f"no checkpoint was committed within {timeout.total_seconds():.0f} s")
     for job in Job.objects.filter(state=JobState.RUNNING, spec__has_key="checkpoint"):
         interval = checkpoint_interval_seconds(job)
         if interval is None:

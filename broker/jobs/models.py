@@ -157,3 +157,56 @@ class Checkpoint(models.Model):
         constraints = [models.UniqueConstraint(fields=["job", "uri", "manifest_sha256"],
                                                name="one_row_per_written_checkpoint")]
         indexes = [models.Index(fields=["job", "state", "step"], name="jobs_ckpt_job_state_step")]
+
+
+class MigrationCause(models.TextChoices):
+    REQUESTED = "REQUESTED", "Requested by a user"
+    PREEMPTION = "PREEMPTION", "Preemption"
+    DEFRAGMENTATION = "DEFRAGMENTATION", "Defragmentation"
+    CONSOLIDATION = "CONSOLIDATION", "Consolidation onto cheaper capacity"
+    SPOT = "SPOT", "Spot interruption"
+
+
+class MigrationState(models.TextChoices):
+    CHECKPOINTING = "CHECKPOINTING", "Waiting for a committed checkpoint"
+    STOPPING = "STOPPING", "Stopping (fencing) the source"
+    PLACING = "PLACING", "Placing and starting on the target"
+    COMPLETED = "COMPLETED", "Running on the target"
+    ROLLED_BACK = "ROLLED_BACK", "Called off; the job runs where it was"
+    ABANDONED = "ABANDONED", "The job ended during the move"
+
+
+class Migration(models.Model):
+    """One move of a running job by checkpoint (broker.jobs.migration): checkpoint, fence the source,
+    place on the target, restore. At most one open move per job."""
+
+    OPEN_STATES = (MigrationState.CHECKPOINTING, MigrationState.STOPPING, MigrationState.PLACING)
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="migrations")
+    cause = models.CharField(max_length=24, choices=MigrationCause.choices)
+    state = models.CharField(max_length=16, choices=MigrationState.choices, default=MigrationState.CHECKPOINTING)
+    source_allocation = models.ForeignKey(Allocation, on_delete=models.SET_NULL, null=True, related_name="+")
+    source_node = models.CharField(max_length=200)
+    target_node = models.CharField(max_length=200, blank=True)  # as asked; blank = anywhere else
+    target_pool = models.CharField(max_length=200, blank=True)
+    placed_on = models.CharField(max_length=200, blank=True)  # where it went
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.SET_NULL, null=True, related_name="+")
+    outcome = models.TextField(blank=True)
+    requested_at = models.DateTimeField(auto_now_add=True)
+    checkpointed_at = models.DateTimeField(null=True, blank=True)
+    source_stopped_at = models.DateTimeField(null=True, blank=True)
+    running_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-requested_at", "-id"]
+        constraints = [models.UniqueConstraint(
+            fields=["job"], condition=Q(state__in=["CHECKPOINTING", "STOPPING", "PLACING"]),
+            name="one_open_migration_per_job")]
+
+    @property
+    def downtime_seconds(self) -> float | None:
+        """How long the job did not run: from its source being told to stop to running on the target."""
+        if self.checkpointed_at is None or self.running_at is None:
+            return None
+        return max(0.0, (self.running_at - self.checkpointed_at).total_seconds())

@@ -264,6 +264,13 @@ def _gpus(slots: int) -> str:
     return f"{slots / Gpu.SLOTS:g}"
 
 
+def job_allocations_release(*, job: Job) -> int:
+    """Release the job's GPUs without changing its state: a moved job's source, once its agent
+    confirmed the stop (broker.jobs.migration)."""
+    with transaction.atomic():
+        return _release_allocations(job=job)
+
+
 def _release_allocations(*, job: Job, stop_unconfirmed: bool = False) -> int:
     now = timezone.now()
     alloc_ids = list(Allocation.objects.filter(job=job, active=True).values_list("pk", flat=True))

@@ -26,6 +26,7 @@ TERMINAL_STATES: frozenset[str] = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED}
 #    job goes back to the queue. RUNNING -> PENDING: its node was lost; it restarts from its last checkpoint.
 #  RUNNING -> CHECKPOINTING -> MIGRATING -> PLACED: a move (defragmentation, cheaper capacity, spot notice).
 #  CHECKPOINTING -> RUNNING: a checkpoint was taken in place (periodic, or a move that was called off).
+#  MIGRATING -> SUCCEEDED: the job finished while its source was being stopped for a move.
 #  PREEMPTED -> PENDING: a preempted job is re-queued once its GPUs were handed over.
 LEGAL_TRANSITIONS: dict[str, frozenset[str]] = {
     S.PENDING: frozenset({S.PLACED, S.CANCELLED, S.FAILED}),
@@ -34,7 +35,7 @@ LEGAL_TRANSITIONS: dict[str, frozenset[str]] = {
     S.STARTING: frozenset({S.RUNNING, S.PENDING, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.RUNNING: frozenset({S.CHECKPOINTING, S.PREEMPTED, S.PENDING, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.CHECKPOINTING: frozenset({S.RUNNING, S.MIGRATING, S.PREEMPTED, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
-    S.MIGRATING: frozenset({S.PLACED, S.PENDING, S.FAILED, S.CANCELLED}),
+    S.MIGRATING: frozenset({S.PLACED, S.PENDING, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.PREEMPTED: frozenset({S.PENDING, S.CANCELLED, S.FAILED}),
     S.SUCCEEDED: frozenset(),
     S.FAILED: frozenset(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from broker.jobs.checkpoints import checkpoint_verify, checkpoints_sweep
+from broker.jobs.migration import migrations_sweep
 
 
 @shared_task(name="checkpoints.verify", ignore_result=True)
@@ -13,5 +14,7 @@ def verify_checkpoint(checkpoint_id: int) -> None:
 
 @shared_task(name="checkpoints.sweep", ignore_result=True)
 def sweep_checkpoints() -> None:
-    """Periodic: checkpoints due by interval, requests timed out, verifications whose task was lost."""
+    """Periodic: checkpoints due by interval, requests timed out, verifications whose task was lost;
+    moves whose source never confirmed its stop, or whose job ended."""
     checkpoints_sweep()
+    migrations_sweep()

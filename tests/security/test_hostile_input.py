@@ -20,6 +20,7 @@ from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from broker.agents.urls import urlpatterns as agent_urlpatterns
+from broker.jobs.models import Job
 
 from .conftest import (AGENT_API, MINIMAL_SPEC, HostileWorld, db_digest, heartbeat_body, register_body,
                        status_body)
@@ -54,7 +55,21 @@ FULL_SPEC = {**MINIMAL_SPEC, "image": "ghcr.io/acme/train:1", "env": {"LR": "0.1
                            "cpu": 8, "memory_gb": 64},
              "placement": {"providers": ["onprem"], "regions": ["dc1"], "spot": "never", "max_price_per_hour": 10},
              "checkpoint": {"uri": "s3://ckpt-bucket/run", "interval_minutes": 30}}
+def _running_with_checkpoints(hw: HostileWorld) -> tuple[APIClient, str, dict]:
+    """A job running on the registered node, with checkpoints, that the acme pool has room to take."""
+    from broker.jobs.services import GpuRequest, allocation_commit, job_transition
+
+    created = hw.world.client.post("/api/v1/jobs/", {**MINIMAL_SPEC, "name": "movable",
+                                                     "checkpoint": {"uri": "s3://ckpt-bucket/move"}}, format="json")
+    job = Job.objects.get(pk=created.json()["id"])
+    allocation_commit(job=job, requests=[GpuRequest(node=hw.node, gpu_indices=(1,))])
+    for to in ("STARTING", "RUNNING"):
+        job = job_transition(job=job, to=to)
+    return hw.world.client, f"/api/v1/jobs/{job.pk}/migrate/", {"pool": hw.world.pool.name}
+
+
 BODY_ROUTES = [
+    Route("jobs-migrate", "POST", "/api/v1/jobs/{id}/migrate/", _running_with_checkpoints),
     Route("jobs-create", "POST", "/api/v1/jobs/",
           lambda hw: (hw.world.client, "/api/v1/jobs/", dict(FULL_SPEC))),
     Route("tokens-create", "POST", "/api/v1/tokens/",

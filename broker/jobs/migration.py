@@ -1,0 +1,215 @@
+"""Moving a running job by checkpoint: a state machine with a way back at every step.
+
+    CHECKPOINTING  the job is asked for a checkpoint (RUNNING -> CHECKPOINTING);
+                   not committed in time -> ROLLED_BACK, the job runs on where it was
+    STOPPING       committed: the source is told to stop (CHECKPOINTING -> MIGRATING, the agent's
+                   action for it becomes `stop`); its agent confirms the stop
+                   no confirmation in time -> the job is requeued with its old copy unconfirmed, and the
+                   new start waits until that copy is fenced (broker.agents.fencing)
+    PLACING        the source's GPUs are released and the engine places the job on the target
+                   (MIGRATING -> PLACED); no room there any more -> PENDING, placed anywhere; the start
+                   gets `restore_from` = the committed checkpoint; a failed start is retried elsewhere
+                   from the same checkpoint by the usual requeue paths
+    COMPLETED      the job reports running on another node; the move records how long it did not run
+    ABANDONED      the job ended (finished, failed, cancelled) during the move
+
+Every step is a compare-and-set on the job row (job_transition) and on the migration row, so running
+one twice, or two workers at once, changes nothing more; `migrations_sweep` re-drives what is stuck.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from broker.jobs.models import Allocation, Checkpoint, Job, Migration, MigrationCause, MigrationState
+from broker.jobs.services import (IllegalTransition, JobError, StaleState, allocation_commit, event_append,
+                                  job_allocations_release, job_requeue, job_transition)
+from broker.jobs.states import TERMINAL_STATES, JobState
+
+log = logging.getLogger(__name__)
+
+
+def stop_timeout_seconds() -> float:
+    """How long the source's agent has to confirm the stop before the job is requeued fenced."""
+    return float(getattr(settings, "WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS", 120))
+
+
+def open_migration(job: Job) -> Migration | None:
+    return Migration.objects.filter(job=job, state__in=Migration.OPEN_STATES).first()
+
+
+def _set(migration: Migration, expected: str, **changes) -> bool:
+    """Compare-and-set on the migration row: only a caller that saw `expected` moves it."""
+    return Migration.objects.filter(pk=migration.pk, state=expected).update(**changes) == 1
+
+
+# -- 1. request --------------------------------------------------------------------------------------
+def migration_request(*, job: Job, cause: str = MigrationCause.REQUESTED, target_node: str = "",
+                      target_pool: str = "", message: str = "") -> Migration:
+    """Start moving a RUNNING job. With a target, the target must have room now (or 409 says why)."""
+    from broker.jobs.checkpoints import checkpoint_request
+    from broker.scheduler.moves import MoveTarget, move_plan
+
+    if not ((job.spec or {}).get("checkpoint") or {}).get("uri"):
+        raise JobError("This job has no checkpoint.uri in its spec, so it cannot be moved by checkpoint.",
+                       field="checkpoint", code="conflict")
+    if open_migration(job) is not None:
+        raise JobError("This job is being moved already.", field="state", code="conflict")
+    if job.state != JobState.RUNNING:
+        raise IllegalTransition(job.state, JobState.MIGRATING)
+    source = job.allocations.filter(active=True).select_related("node").first()
+    if source is None:
+        raise JobError("This job holds no GPUs to move from.", field="state", code="conflict")
+    plan = move_plan(job=job, target=MoveTarget(node=target_node, pool=target_pool), leaving_node_id=source.node_id)
+    if not plan.possible:
+        field = "node" if target_node else "pool" if target_pool else "non_field_errors"
+        raise JobError(f"There is no room for the job there: {plan.reason}", field=field, code="conflict")
+    with transaction.atomic():
+        try:
+            migration = Migration.objects.create(job=job, cause=cause, source_allocation=source,
+                                                 source_node=source.node.name, target_node=target_node,
+                                                 target_pool=target_pool)
+        except IntegrityError as exc:  # another request won the race (one open move per job)
+            raise JobError("This job is being moved already.", field="state", code="conflict") from exc
+        where = target_node or (f"pool {target_pool}" if target_pool else "another node")
+        checkpoint_request(job=job, reason_code="MIGRATION_REQUESTED",
+                           message=message or f"Moving from {source.node.name} to {where}: checkpoint requested.")
+    return migration
+
+
+# -- 2. the checkpoint is committed: stop the source -------------------------------------------------
+def migration_checkpoint_committed(*, job: Job, checkpoint: Checkpoint) -> bool:
+    """The committed checkpoint answers a move: tell the source to stop. False when no move waits."""
+    migration = open_migration(job)
+    if migration is None or migration.state != MigrationState.CHECKPOINTING:
+        return False
+    with transaction.atomic():
+        if not _set(migration, MigrationState.CHECKPOINTING, state=MigrationState.STOPPING,
+                    checkpoint=checkpoint, checkpointed_at=timezone.now()):
+            return False
+        try:
+            job_transition(job=job, to=JobState.MIGRATING, reason_code="MIGRATION_CHECKPOINTED",
+                           message=f"Checkpoint at step {checkpoint.step} committed; stopping the job on "
+                                   f"{migration.source_node} to move it.",
+                           data={"migration": migration.pk, "checkpoint": checkpoint.pk, "step": checkpoint.step})
+        except (IllegalTransition, StaleState):
+            transaction.set_rollback(True)  # the job moved on (cancelled, node lost): the move waits for that
+            return False
+    return True
+
+
+# -- 3. the source stopped: place on the target -------------------------------------------------------
+def migration_source_stopped(*, job: Job, allocation: Allocation) -> bool:
+    """The source's agent confirmed the stop: release its GPUs and place the job on the target."""
+    migration = open_migration(job)
+    if (migration is None or migration.state != MigrationState.STOPPING
+            or migration.source_allocation_id != allocation.pk):
+        return False
+    if not _set(migration, MigrationState.STOPPING, state=MigrationState.PLACING, source_stopped_at=timezone.now()):
+        return False
+    _place(job=job, migration=migration, leaving_node_id=allocation.node_id)
+    return True
+
+
+def _place(*, job: Job, migration: Migration, leaving_node_id: int | None) -> None:
+    from broker.scheduler.moves import MoveTarget, move_plan
+
+    job.refresh_from_db()
+    if job.state != JobState.MIGRATING:
+        return
+    job_allocations_release(job=job)
+    plan = move_plan(job=job, target=MoveTarget(node=migration.target_node, pool=migration.target_pool),
+                     leaving_node_id=leaving_node_id)
+    step = migration.checkpoint.step if migration.checkpoint_id else None
+    if plan.possible:
+        try:
+            allocation_commit(job=job, requests=plan.requests, expected_state=JobState.MIGRATING)
+            Migration.objects.filter(pk=migration.pk).update(
+                placed_on=", ".join(r.node.name for r in plan.requests))
+            return
+        except JobError as exc:  # taken in the meantime: fall through to the queue
+            log.info("migration %s: target taken meanwhile (%s)", migration.pk, exc)
+    try:
+        job_transition(job=job, to=JobState.PENDING, reason_code="MIGRATING",
+                       message=f"Being moved: waiting for room elsewhere; it resumes from step {step}."
+                       if step is not None else "Being moved: waiting for room elsewhere.",
+                       data={"migration": migration.pk})
+    except (IllegalTransition, StaleState):
+        pass
+
+
+# -- 4. running on the target: done -----------------------------------------------------------------
+def migration_job_running(*, job: Job) -> Migration | None:
+    """The job runs again: on another node than the source, that completes its move."""
+    migration = open_migration(job)
+    if migration is None or migration.state != MigrationState.PLACING:
+        return None
+    current = job.allocations.filter(active=True).select_related("node").first()
+    if current is None or current.pk == migration.source_allocation_id:
+        return None
+    now = timezone.now()
+    if not _set(migration, MigrationState.PLACING, state=MigrationState.COMPLETED, running_at=now, finished_at=now,
+                placed_on=current.node.name):
+        return None
+    migration.refresh_from_db()
+    phases = migration_phases(migration)
+    migration.outcome = (f"Moved from {migration.source_node} to {current.node.name}; not running for "
+                         f"{migration.downtime_seconds:.1f} s.")
+    migration.save(update_fields=["outcome"])
+    event_append(job=job, kind="migration", reason_code="MIGRATION_COMPLETED", message=migration.outcome,
+                 data={"migration": migration.pk, "from": migration.source_node, "to": current.node.name,
+                       "downtime_s": migration.downtime_seconds, "phases": phases,
+                       "restored_step": migration.checkpoint.step if migration.checkpoint_id else None})
+    return migration
+
+
+def migration_phases(migration: Migration) -> dict[str, float | None]:
+    """Seconds per step: checkpoint (request to commit), fence (commit to the source's confirmed stop),
+    start (stop to running on the target: placement, start and the job's restore)."""
+    def span(a: datetime | None, b: datetime | None) -> float | None:
+        return None if a is None or b is None else round(max(0.0, (b - a).total_seconds()), 3)
+
+    return {"checkpoint": span(migration.requested_at, migration.checkpointed_at),
+            "fence": span(migration.checkpointed_at, migration.source_stopped_at),
+            "start": span(migration.source_stopped_at, migration.running_at)}
+
+
+# -- ways back ---------------------------------------------------------------------------------------
+def migration_roll_back(*, job: Job, why: str) -> bool:
+    """The checkpoint did not come (timed out): the move is called off, the job runs where it was."""
+    migration = open_migration(job)
+    if migration is None or migration.state != MigrationState.CHECKPOINTING:
+        return False
+    if not _set(migration, MigrationState.CHECKPOINTING, state=MigrationState.ROLLED_BACK,
+                finished_at=timezone.now(), outcome=f"Called off: {why}; the job runs on {migration.source_node}."):
+        return False
+    event_append(job=job, kind="migration", reason_code="MIGRATION_ROLLED_BACK",
+                 message=f"Move called off: {why}; the job runs on where it was.", data={"migration": migration.pk})
+    return True
+
+
+def migrations_sweep(*, now: datetime | None = None) -> dict[str, list[int]]:
+    """Periodic: requeue moves whose source never confirmed its stop (fenced), close moves whose job ended."""
+    now = now or timezone.now()
+    fenced, abandoned = [], []
+    for migration in Migration.objects.filter(state__in=Migration.OPEN_STATES).select_related("job"):
+        job = migration.job
+        if job.state in TERMINAL_STATES:
+            if _set(migration, migration.state, state=MigrationState.ABANDONED, finished_at=now,
+                    outcome=f"The job ended ({job.state}) during the move."):
+                abandoned.append(migration.pk)
+            continue
+        if (migration.state == MigrationState.STOPPING and migration.checkpointed_at is not None
+                and now - migration.checkpointed_at > timedelta(seconds=stop_timeout_seconds())):
+            if not _set(migration, MigrationState.STOPPING, state=MigrationState.PLACING):
+                continue
+            job_requeue(job=job, reason_code="MIGRATION_SOURCE_UNREACHABLE", stop_unconfirmed=True,
+                        message=f"{migration.source_node} did not confirm the stop within "
+                                f"{stop_timeout_seconds():.0f} s; the job starts elsewhere once its copy "
+                                "there is confirmed stopped or fenced.")
+            fenced.append(migration.pk)
+    return {"fenced": fenced, "abandoned": abandoned}
