@@ -124,12 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("no command to run")
 
-    server = MetadataServer(socket.socket(fileno=args.listen_fd), args.secret, args.notice_file)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
     # SIGTERM comes to the whole group from the provider's terminate: the agent got it too. Stay
     # until the agent has stopped its jobs, so "this process is gone" keeps meaning "all is gone".
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # The agent first: the socket already listens (the provider bound it), so a request that
+    # comes before the server below runs waits in the backlog instead of failing.
     child = subprocess.Popen(command)  # inherits stdin (the join token), stdout and the process group
+    server = MetadataServer(socket.socket(fileno=args.listen_fd), args.secret, args.notice_file)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
     kill_at: float | None = None
     while child.poll() is None:
         notice = read_notice(args.notice_file) if kill_at is None else None
