@@ -1,0 +1,147 @@
+"""The words and fields of refused job operations, as a user or the scheduler reads them (issue 9).
+
+Each refusal is checked whole: the HTTP status and body a user gets, or the exception's message,
+field and code (what broker.api.errors turns into that body and the scheduler logs as a conflict).
+"""
+from __future__ import annotations
+
+import pytest
+
+from broker.jobs import services
+from broker.jobs.models import AllocationSlice, Job, JobEvent
+from broker.jobs.services import (DoubleBooking, GpuRequest, JobError, StaleState, allocation_commit, job_cancel,
+                                  job_transition)
+from broker.jobs.states import JobState
+
+from .test_api_tenancy import submit
+
+JOBS = "/api/v1/jobs"
+
+
+def _force(job: Job, state: str) -> Job:
+    Job.objects.filter(pk=job.pk).update(state=state)
+    job.refresh_from_db()
+    return job
+
+
+# -- cancel ----------------------------------------------------------------------------------------
+def test_cancelling_a_finished_job_is_a_409_naming_both_states(acme):
+    job = _force(submit(acme), JobState.SUCCEEDED)
+    resp = acme.client.post(f"{JOBS}/{job.pk}/cancel/")
+    assert resp.status_code == 409
+    assert resp.json() == {"state": ["A job cannot go from SUCCEEDED to CANCELLED."], "code": "illegal_transition"}
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+
+
+def test_a_cancel_records_who_cancelled(acme):
+    job = submit(acme)
+    resp = acme.client.post(f"{JOBS}/{job.pk}/cancel/")
+    assert resp.status_code == 200 and resp.json()["state"] == JobState.CANCELLED
+    event = JobEvent.objects.filter(job=job, kind="state").latest("id")
+    assert (event.reason_code, event.message) == ("USER_CANCELLED", f"Cancelled by {acme.admin}.")
+
+
+def test_a_cancel_without_a_person_says_cancelled(acme):
+    job = job_cancel(job=submit(acme))
+    assert job.state == JobState.CANCELLED
+    event = JobEvent.objects.filter(job=job, kind="state").latest("id")
+    assert (event.reason_code, event.message) == ("USER_CANCELLED", "Cancelled.")
+
+
+def test_a_cancel_gives_up_after_five_races_with_a_conflict(acme, monkeypatch):
+    """Another writer changes the job before each of the cancel's attempts: five tries, then the
+    user is told to try again (a 409), and the job is left as the other writer made it."""
+    job = submit(acme)
+    real = services.job_transition
+    attempts = []
+
+    def racing(**kwargs):
+        attempts.append(kwargs["job"].state)
+        if len(attempts) <= 5:  # the other writer wins this round
+            other = JobState.PLACED if kwargs["job"].state == JobState.PENDING else JobState.PENDING
+            Job.objects.filter(pk=kwargs["job"].pk).update(state=other)
+        return real(**kwargs)
+
+    monkeypatch.setattr(services, "job_transition", racing)
+    with pytest.raises(JobError) as caught:
+        job_cancel(job=job)
+    err = caught.value
+    assert (str(err), err.field, err.code) == ("The job kept changing state; try again.", "non_field_errors",
+                                               "conflict")
+    assert len(attempts) == 5
+    job.refresh_from_db()
+    assert job.state != JobState.CANCELLED
+
+
+# -- other refusals ----------------------------------------------------------------------------------
+def test_a_job_over_the_gpu_quota_is_a_400_on_resources(acme):
+    acme.tenant.quota.max_gpus = 1
+    acme.tenant.quota.save()
+    resp = acme.client.post(f"{JOBS}/", {"name": "big", "command": ["python", "train.py"],
+                                          "resources": {"gpus": 2}}, format="json")
+    assert resp.status_code == 400
+    assert resp.json() == {"resources": ["The job asks for 2 GPUs; your tenant's quota allows 1 at once."],
+                           "code": "invalid"}
+
+
+def test_a_stale_caller_is_told_the_state_the_job_is_in(acme):
+    job = submit(acme)
+    with pytest.raises(StaleState) as caught:
+        job_transition(job=job, to=JobState.CANCELLED, expected=JobState.PLACED)
+    err = caught.value
+    assert (str(err), err.field, err.code) == ("The job is PENDING, not PLACED any more.", "state", "conflict")
+    assert (err.expected, err.actual) == (JobState.PLACED, JobState.PENDING)
+
+
+def test_a_gpu_share_already_taken_is_a_double_booking_on_gpus(acme):
+    node = acme.nodes[0]
+    first, second = submit(acme, name="a"), submit(acme, name="b")
+    allocation_commit(job=first, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    with pytest.raises(DoubleBooking) as caught:
+        allocation_commit(job=second, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    err = caught.value
+    assert (str(err), err.field, err.code) == (f"GPU 0 on {node.name} does not have the share requested free.",
+                                               "gpus", "double_booking")
+
+
+def test_losing_the_race_for_a_slot_at_insert_is_a_double_booking_on_gpus(acme, monkeypatch):
+    """Another transaction takes the slot between the free-slot check and the insert: the unique
+    index refuses it, and the caller gets the generic double-booking error, not an IntegrityError."""
+    node = acme.nodes[0]
+    rival, job = submit(acme, name="rival"), submit(acme, name="late")
+    (rival_alloc,) = allocation_commit(job=rival, requests=[GpuRequest(node=node, gpu_indices=(1,))])
+    manager = AllocationSlice.objects
+    real_bulk_create = manager.bulk_create
+
+    def racing_bulk_create(objs, *args, **kwargs):
+        objs = list(objs)
+        manager.create(allocation=rival_alloc, gpu=objs[0].gpu, slot=objs[0].slot)  # the rival's commit
+        return real_bulk_create(objs, *args, **kwargs)
+
+    monkeypatch.setattr(manager, "bulk_create", racing_bulk_create)
+    with pytest.raises(DoubleBooking) as caught:
+        allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    err = caught.value
+    assert (str(err), err.field, err.code) == ("One of these GPUs is already allocated.", "gpus", "double_booking")
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+
+
+def test_nothing_to_allocate_is_an_invalid_request_on_gpus(acme):
+    with pytest.raises(JobError) as caught:
+        allocation_commit(job=submit(acme), requests=[])
+    err = caught.value
+    assert (str(err), err.field, err.code) == ("Nothing to allocate.", "gpus", "invalid")
+
+
+def test_the_gpu_quota_message_counts_gpus_not_slots(acme):
+    acme.tenant.quota.max_gpus = 1
+    acme.tenant.quota.save()
+    node = acme.nodes[0]
+    first = submit(acme, name="h1", resources={"gpu_fraction": 0.5})
+    allocation_commit(job=first, requests=[GpuRequest(node=node, gpu_indices=(0,), milli=500)])
+    with pytest.raises(JobError) as caught:
+        allocation_commit(job=submit(acme, name="w"), requests=[GpuRequest(node=node, gpu_indices=(1,))])
+    err = caught.value
+    assert (str(err), err.field, err.code) == ("GPU quota exceeded: 0.5 in use + 1 > 1.", "resources", "quota")
