@@ -2,9 +2,10 @@
 
 The agent polls the instance metadata service (agent/spot.py) and sends the notice in its heartbeats.
 The first one drains the node (nothing new is placed there) and, for each job on it:
-- a running job with a checkpoint URI is asked for a checkpoint now; when that checkpoint is
-  committed (broker.jobs.checkpoints), the job is requeued and resumes elsewhere from it, so it loses
-  at most the work since the notice;
+- a running job with a checkpoint URI is moved (broker.jobs.migration, cause SPOT): asked for a
+  checkpoint now; when it is committed, the job is requeued and resumes elsewhere from it, so it
+  loses at most the work since the notice; without one by shortly before the deadline, it is
+  requeued anyway and resumes from its last committed checkpoint;
 - any other job is requeued at once: placed elsewhere before the instance dies (one without
   checkpoints restarts from the beginning, and its event says so).
 If the instance dies first, the node goes LOST and its jobs restart from their last committed
@@ -14,7 +15,7 @@ agent confirms the old process stopped (broker.agents.fencing).
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone as dt_timezone
+from datetime import datetime, timedelta, timezone as dt_timezone
 from typing import Any
 
 from django.db import transaction
@@ -27,6 +28,10 @@ from broker.jobs.states import JobState
 
 log = logging.getLogger(__name__)
 
+# Seconds before the cloud's deadline by which the checkpoint must be committed: the job is then
+# stopped and requeued while the instance still runs (AWS gives 120 s, GCP about 30 s).
+SPOT_STOP_MARGIN_S = 15.0
+
 
 def _when(deadline: float) -> str:
     return datetime.fromtimestamp(deadline, tz=dt_timezone.utc).strftime("%H:%M:%S UTC")
@@ -34,7 +39,8 @@ def _when(deadline: float) -> str:
 
 def node_interruption_notice(*, node: Node, notice: dict[str, Any]) -> list[int]:
     """Record the notice once, drain the node, and start moving its jobs. Returns the jobs acted on."""
-    from broker.jobs.checkpoints import checkpoint_request
+    from broker.jobs.migration import migration_request
+    from broker.jobs.models import MigrationCause
 
     now = timezone.now()
     with transaction.atomic():
@@ -58,8 +64,10 @@ def node_interruption_notice(*, node: Node, notice: dict[str, Any]) -> list[int]
         has_checkpoints = bool(((job.spec or {}).get("checkpoint") or {}).get("uri"))
         try:
             if has_checkpoints and job.state in (JobState.RUNNING, JobState.CHECKPOINTING):
-                checkpoint_request(job=job, reason_code="SPOT_NOTICE",
-                                   message=f"Checkpoint now: {node.name} is reclaimed in {left:.0f} s.")
+                # The checkpoint must be committed before the instance dies; a margin for the stop.
+                deadline = now + timedelta(seconds=max(5.0, left - SPOT_STOP_MARGIN_S))
+                migration_request(job=job, cause=MigrationCause.SPOT, deadline=deadline,
+                                  message=f"Checkpoint now: {node.name} is reclaimed in {left:.0f} s.")
             else:
                 how = ("restarts from the beginning (it has no checkpoints)" if job.state in
                        (JobState.RUNNING, JobState.CHECKPOINTING) else "is placed elsewhere")
@@ -69,15 +77,3 @@ def node_interruption_notice(*, node: Node, notice: dict[str, Any]) -> list[int]
         except (IllegalTransition, StaleState, JobError):
             continue  # the job moved on meanwhile (finished, cancelled): nothing to save
     return acted
-
-
-def move_off_interrupted_node(*, job: Job, step: int) -> bool:
-    """After a committed checkpoint: if the job's node is being reclaimed, requeue the job to resume
-    elsewhere from that checkpoint. False when its node is not interrupted."""
-    node = next((n for n in Node.objects.filter(allocations__job=job, allocations__active=True) if n.interruption),
-                None)
-    if node is None:
-        return False
-    return job_requeue(job=job, reason_code="SPOT_INTERRUPTION", stop_unconfirmed=True,
-                       message=f"Checkpoint at step {step} committed before {node.name} is reclaimed; "
-                               "the job resumes elsewhere from it.")

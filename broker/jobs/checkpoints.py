@@ -213,12 +213,9 @@ def _answer_request(*, job: Job, checkpoint: Checkpoint) -> None:
     entered = _checkpointing_since(job)
     if entered is not None and checkpoint.created_at < entered:
         return  # written before the request: not an answer to it
-    from broker.agents.interruptions import move_off_interrupted_node
     from broker.jobs.migration import migration_checkpoint_committed
 
     if migration_checkpoint_committed(job=job, checkpoint=checkpoint):
-        return
-    if move_off_interrupted_node(job=job, step=checkpoint.step):
         return
     try:
         job_transition(job=job, to=JobState.RUNNING, reason_code="CHECKPOINT_COMMITTED",
@@ -287,7 +284,11 @@ def checkpoints_sweep(*, now: datetime | None = None) -> SweepOutcome:
     now = now or timezone.now()
     requested, timed_out = [], []
     timeout = timedelta(seconds=checkpoint_timeout_seconds())
-    for job in Job.objects.filter(state=JobState.CHECKPOINTING):
+    from broker.jobs.models import Migration
+
+    moving = set(Migration.objects.filter(state__in=Migration.OPEN_STATES).values_list("job_id", flat=True))
+    for job in Job.objects.filter(state=JobState.CHECKPOINTING).exclude(pk__in=moving):
+        # A job being moved has its own deadline (broker.jobs.migration.migrations_sweep).
         entered = _checkpointing_since(job) or job.updated_at
         if now - entered < timeout:
             continue
@@ -298,9 +299,6 @@ def checkpoints_sweep(*, now: datetime | None = None) -> SweepOutcome:
             timed_out.append(job.pk)
         except (IllegalTransition, StaleState):
             continue
-        from broker.jobs.migration import migration_roll_back
-
-        migration_roll_back(job=job, why=f"no checkpoint was committed within {timeout.total_seconds():.0f} s")
     for job in Job.objects.filter(state=JobState.RUNNING, spec__has_key="checkpoint"):
         interval = checkpoint_interval_seconds(job)
         if interval is None:

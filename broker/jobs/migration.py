@@ -49,30 +49,38 @@ def _set(migration: Migration, expected: str, **changes) -> bool:
 
 # -- 1. request --------------------------------------------------------------------------------------
 def migration_request(*, job: Job, cause: str = MigrationCause.REQUESTED, target_node: str = "",
-                      target_pool: str = "", message: str = "") -> Migration:
-    """Start moving a RUNNING job. With a target, the target must have room now (or 409 says why)."""
-    from broker.jobs.checkpoints import checkpoint_request
+                      target_pool: str = "", message: str = "", deadline: datetime | None = None) -> Migration:
+    """Start moving a RUNNING job. With a target, the target must have room now (or 409 says why).
+
+    A preemption or spot move (Migration.REQUEUE_CAUSES) has no target: once the checkpoint is
+    committed, or at `deadline` without one, the job goes back to the queue.
+    """
+    from broker.jobs.checkpoints import checkpoint_request, checkpoint_timeout_seconds
     from broker.scheduler.moves import MoveTarget, move_plan
 
+    requeue = cause in Migration.REQUEUE_CAUSES
     if not ((job.spec or {}).get("checkpoint") or {}).get("uri"):
         raise JobError("This job has no checkpoint.uri in its spec, so it cannot be moved by checkpoint.",
                        field="checkpoint", code="conflict")
     if open_migration(job) is not None:
         raise JobError("This job is being moved already.", field="state", code="conflict")
-    if job.state != JobState.RUNNING:
+    if job.state != JobState.RUNNING and not (requeue and job.state == JobState.CHECKPOINTING):
         raise IllegalTransition(job.state, JobState.MIGRATING)
     source = job.allocations.filter(active=True).select_related("node").first()
     if source is None:
         raise JobError("This job holds no GPUs to move from.", field="state", code="conflict")
-    plan = move_plan(job=job, target=MoveTarget(node=target_node, pool=target_pool), leaving_node_id=source.node_id)
-    if not plan.possible:
-        field = "node" if target_node else "pool" if target_pool else "non_field_errors"
-        raise JobError(f"There is no room for the job there: {plan.reason}", field=field, code="conflict")
+    if not requeue:
+        plan = move_plan(job=job, target=MoveTarget(node=target_node, pool=target_pool),
+                         leaving_node_id=source.node_id)
+        if not plan.possible:
+            field = "node" if target_node else "pool" if target_pool else "non_field_errors"
+            raise JobError(f"There is no room for the job there: {plan.reason}", field=field, code="conflict")
+    deadline = deadline or timezone.now() + timedelta(seconds=checkpoint_timeout_seconds())
     with transaction.atomic():
         try:
             migration = Migration.objects.create(job=job, cause=cause, source_allocation=source,
                                                  source_node=source.node.name, target_node=target_node,
-                                                 target_pool=target_pool)
+                                                 target_pool=target_pool, deadline=deadline)
         except IntegrityError as exc:  # another request won the race (one open move per job)
             raise JobError("This job is being moved already.", field="state", code="conflict") from exc
         where = target_node or (f"pool {target_pool}" if target_pool else "another node")
@@ -87,6 +95,8 @@ def migration_checkpoint_committed(*, job: Job, checkpoint: Checkpoint) -> bool:
     migration = open_migration(job)
     if migration is None or migration.state != MigrationState.CHECKPOINTING:
         return False
+    if migration.cause in Migration.REQUEUE_CAUSES:
+        return _requeue(job=job, migration=migration, checkpoint=checkpoint)
     with transaction.atomic():
         if not _set(migration, MigrationState.CHECKPOINTING, state=MigrationState.STOPPING,
                     checkpoint=checkpoint, checkpointed_at=timezone.now()):
@@ -100,6 +110,32 @@ def migration_checkpoint_committed(*, job: Job, checkpoint: Checkpoint) -> bool:
             transaction.set_rollback(True)  # the job moved on (cancelled, node lost): the move waits for that
             return False
     return True
+
+
+_REQUEUE_WHY = {MigrationCause.PREEMPTION: "preempted", MigrationCause.SPOT: "its spot instance is reclaimed"}
+
+
+def _requeue(*, job: Job, migration: Migration, checkpoint: Checkpoint | None) -> bool:
+    """A preemption or spot move: back to the queue, its old copy fenced (the new start waits for the
+    agent's confirmed stop); it resumes from `checkpoint` (or the last committed one) wherever the
+    scheduler places it."""
+    from broker.jobs.checkpoints import committed_checkpoint
+
+    resume = checkpoint or committed_checkpoint(job)
+    if not _set(migration, MigrationState.CHECKPOINTING, state=MigrationState.PLACING, checkpoint=resume,
+                checkpointed_at=timezone.now(), source_stopped_at=timezone.now()):
+        return False
+    why = _REQUEUE_WHY.get(migration.cause, "moved")
+    if checkpoint is not None:
+        how = f"checkpoint at step {checkpoint.step} committed; it resumes from it elsewhere"
+    elif resume is not None:
+        how = (f"no checkpoint was committed in time; it resumes from step {resume.step}, its last committed "
+               "checkpoint, and loses the work since")
+    else:
+        how = "no checkpoint was committed in time and it has none: it restarts from the beginning"
+    reason_code = "PREEMPTED" if migration.cause == MigrationCause.PREEMPTION else "SPOT_INTERRUPTION"
+    return job_requeue(job=job, reason_code=reason_code, stop_unconfirmed=True,
+                       message=f"The job is {why}: {how}.")
 
 
 # -- 3. the source stopped: place on the target -------------------------------------------------------
@@ -193,15 +229,25 @@ def migration_roll_back(*, job: Job, why: str) -> bool:
 
 
 def migrations_sweep(*, now: datetime | None = None) -> dict[str, list[int]]:
-    """Periodic: requeue moves whose source never confirmed its stop (fenced), close moves whose job ended."""
+    """Periodic: act on checkpoint deadlines (a user's move is called off, a preemption or spot move
+    requeues anyway), requeue moves whose source never confirmed its stop (fenced), close moves whose
+    job ended."""
     now = now or timezone.now()
-    fenced, abandoned = [], []
+    fenced, abandoned, late = [], [], []
     for migration in Migration.objects.filter(state__in=Migration.OPEN_STATES).select_related("job"):
         job = migration.job
         if job.state in TERMINAL_STATES:
             if _set(migration, migration.state, state=MigrationState.ABANDONED, finished_at=now,
                     outcome=f"The job ended ({job.state}) during the move."):
                 abandoned.append(migration.pk)
+            continue
+        if (migration.state == MigrationState.CHECKPOINTING and migration.deadline is not None
+                and now >= migration.deadline):
+            late.append(migration.pk)
+            if migration.cause in Migration.REQUEUE_CAUSES:
+                _requeue(job=job, migration=migration, checkpoint=None)
+            else:
+                _call_off_late(job=job, migration=migration)
             continue
         if (migration.state == MigrationState.STOPPING and migration.checkpointed_at is not None
                 and now - migration.checkpointed_at > timedelta(seconds=stop_timeout_seconds())):
@@ -212,4 +258,16 @@ def migrations_sweep(*, now: datetime | None = None) -> dict[str, list[int]]:
                                 f"{stop_timeout_seconds():.0f} s; the job starts elsewhere once its copy "
                                 "there is confirmed stopped or fenced.")
             fenced.append(migration.pk)
-    return {"fenced": fenced, "abandoned": abandoned}
+    return {"fenced": fenced, "abandoned": abandoned, "late": late}
+
+
+def _call_off_late(*, job: Job, migration: Migration) -> None:
+    """A user's (or the engine's) move whose checkpoint never came: the job runs on where it was."""
+    why = "no checkpoint was committed in time"
+    if job.state == JobState.CHECKPOINTING:
+        try:
+            job_transition(job=job, to=JobState.RUNNING, reason_code="CHECKPOINT_TIMED_OUT",
+                           message=f"Move called off: {why}; the job runs on where it was.")
+        except (IllegalTransition, StaleState):
+            return
+    migration_roll_back(job=job, why=why)

@@ -181,6 +181,8 @@ class Migration(models.Model):
     place on the target, restore. At most one open move per job."""
 
     OPEN_STATES = (MigrationState.CHECKPOINTING, MigrationState.STOPPING, MigrationState.PLACING)
+    # Moves that end in the queue (the scheduler places the job again) rather than on a chosen target.
+    REQUEUE_CAUSES = (MigrationCause.PREEMPTION, MigrationCause.SPOT)
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="migrations")
     cause = models.CharField(max_length=24, choices=MigrationCause.choices)
@@ -192,6 +194,9 @@ class Migration(models.Model):
     placed_on = models.CharField(max_length=200, blank=True)  # where it went
     checkpoint = models.ForeignKey(Checkpoint, on_delete=models.SET_NULL, null=True, related_name="+")
     outcome = models.TextField(blank=True)
+    # By when the checkpoint must be committed: a user's move is called off after it, a preemption or
+    # spot move requeues the job anyway (losing the work since its last committed checkpoint).
+    deadline = models.DateTimeField(null=True, blank=True)
     requested_at = models.DateTimeField(auto_now_add=True)
     checkpointed_at = models.DateTimeField(null=True, blank=True)
     source_stopped_at = models.DateTimeField(null=True, blank=True)

@@ -19,7 +19,9 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from broker.inventory.models import Node
-from broker.jobs.models import Job
+from broker.jobs.checkpoints import committed_checkpoint
+from broker.jobs.migration import migration_request, open_migration
+from broker.jobs.models import Job, MigrationCause
 from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_set_pending_reason, job_transition
 from broker.jobs.states import JobState
 from broker.provisioning.offers import OfferRef, cloud_offers, pool_launch_limits
@@ -32,9 +34,17 @@ from scheduling import model as sm
 from scheduling.engine import schedule
 
 log = logging.getLogger(__name__)
-# Moves (defragmentation, consolidation of rented instances) need the checkpoint/migration state
-# machine on the agents; until then the broker asks the engine for placements and preemptions only.
-BROKER_POLICY = sm.Policy(defragmentation=False, consolidation=False, time_limit_s=2.0)
+# The engine's moves (defragmentation for a blocked job, consolidation off costly rented capacity) are
+# applied as checkpointed migrations (broker.jobs.migration), under the engine's own limits: at most
+# Policy.max_moves_per_cycle per cycle, and never a job that has run less than
+# Policy.min_run_before_move_s since it (re)started, so no job moves twice within that interval.
+BROKER_POLICY = sm.Policy(defragmentation=True, consolidation=True, time_limit_s=2.0)
+
+
+def preemption_grace_seconds() -> float:
+    """How long a preempted job with checkpoints has to commit one before it is stopped anyway (like a
+    Slurm `--signal` lead time)."""
+    return float(getattr(settings, "WHALEZEN_PREEMPTION_GRACE_SECONDS", 120))
 # A chunk of 200 holds the write lock for well under a second even on a loaded machine.
 PENDING_REASONS_PER_TRANSACTION = 200
 
@@ -43,6 +53,7 @@ PENDING_REASONS_PER_TRANSACTION = 200
 class CycleOutcome:
     ran: bool
     placed: list[int] = field(default_factory=list)
+    moved: list[int] = field(default_factory=list)  # moves the engine planned, begun this cycle
     preempted: list[int] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     launched: list[int] = field(default_factory=list)
@@ -121,17 +132,38 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
         victim = jobs.get(preemption.victim_job_id)
         if victim is None:
             continue
+        if open_migration(victim) is not None:
+            continue  # already being checkpointed for a move or an earlier preemption
+        if victim.state == JobState.RUNNING and (victim.spec or {}).get("checkpoint", {}).get("uri"):
+            # Ask it to checkpoint first; it is requeued once that is committed, or at the grace's end.
+            grace = preemption_grace_seconds()
+            try:
+                migration_request(job=victim, cause=MigrationCause.PREEMPTION,
+                                  deadline=timezone.now() + timedelta(seconds=grace),
+                                  message=f"Preempted for job {preemption.for_job_id}: checkpoint requested; "
+                                          f"it stops within {grace:.0f} s.")
+                outcome.preempted.append(victim.pk)
+            except JobError as exc:
+                outcome.conflicts.append(f"preempt {preemption.victim_job_id}: {exc}")
+            continue
         try:
             with transaction.atomic():
+                resume = committed_checkpoint(victim)
+                how = (f"it resumes from step {resume.step}, its last committed checkpoint" if resume is not None
+                       else "it has no checkpoint and restarts from the beginning")
                 victim = job_transition(job=victim, to=JobState.PREEMPTED, reason_code="PREEMPTED",
-                                        message=f"Preempted for job {preemption.for_job_id}; "
-                                                f"{preemption.lost_work_s:,.0f} s of work since its last checkpoint.",
-                                        data={"for_job": preemption.for_job_id, "lost_work_s": preemption.lost_work_s})
+                                        message=f"Preempted for job {preemption.for_job_id}; {how} "
+                                                f"({preemption.lost_work_s:,.0f} s of work lost).",
+                                        data={"for_job": preemption.for_job_id, "lost_work_s": preemption.lost_work_s},
+                                        stop_unconfirmed=True)
                 job_transition(job=victim, to=JobState.PENDING, reason_code="REQUEUED",
                                message="Re-queued after preemption.")
             outcome.preempted.append(victim.pk)
         except JobError as exc:
             outcome.conflicts.append(f"preempt {preemption.victim_job_id}: {exc}")
+
+    for move in plan.migrations:
+        _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome)
 
     for placement in plan.placements:
         job = jobs.get(placement.job_id)
@@ -181,9 +213,32 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
     return outcome
 
 
+_MOVE_CAUSES = {"defragmentation": MigrationCause.DEFRAGMENTATION, "cheaper": MigrationCause.CONSOLIDATION,
+                "consolidation": MigrationCause.CONSOLIDATION}
+
+
+def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], outcome: CycleOutcome) -> None:
+    """One move the engine planned, started as a checkpointed migration to the node it chose."""
+    if job is None or job.state != JobState.RUNNING or open_migration(job) is not None:
+        return
+    target = nodes.get(move.to.node_id or "")
+    if target is None:  # a move onto an instance still to launch: not carried out by the broker yet
+        outcome.conflicts.append(f"move {job.pk}: target {move.to.launch_id or move.to.node_id} is not a node")
+        return
+    cause = _MOVE_CAUSES.get(move.reason.split(":")[0].strip().lower(), MigrationCause.DEFRAGMENTATION)
+    why = f" to make room for job {move.for_job_id}" if move.for_job_id else ""
+    try:
+        migration_request(job=job, cause=cause, target_node=target.name,
+                          message=f"Moving to {target.name} ({cause.label.lower()}{why}): checkpoint requested.")
+        outcome.moved.append(job.pk)
+    except JobError as exc:
+        outcome.conflicts.append(f"move {job.pk}: {exc}")
+
+
 def _job_ids(plan: sm.Plan) -> set[int]:
     ids = {p.job_id for p in plan.placements} | set(plan.pending)
     ids |= {p.victim_job_id for p in plan.preemptions}
+    ids |= {m.job_id for m in plan.migrations}
     return {int(i) for i in ids if str(i).isdigit()}
 
 

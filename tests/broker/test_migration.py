@@ -92,7 +92,9 @@ def test_a_checkpoint_that_never_comes_calls_the_move_off(acme, registered, seco
     (source, _), _ = registered, second
     job, allocation = running_job(acme, source, root)
     assert acme.client.post(f"/api/v1/jobs/{job.pk}/migrate/", {}, format="json").status_code == 202
-    checkpoints.checkpoints_sweep(now=timezone.now() + timedelta(seconds=31))
+    later = timezone.now() + timedelta(seconds=31)
+    assert checkpoints.checkpoints_sweep(now=later).timed_out == []  # a move has its own deadline
+    assert migrations_sweep(now=later)["late"] == [Migration.objects.get(job=job).pk]
     job.refresh_from_db()
     assert job.state == JobState.RUNNING and job.allocations.get(active=True).pk == allocation.pk
     move = Migration.objects.get(job=job)

@@ -83,3 +83,24 @@ def test_a_malformed_notice_is_a_400_and_changes_nothing(acme, registered, bad):
     assert resp.status_code == 400 and "interruption" in resp.json()
     node.refresh_from_db()
     assert node.state == NodeState.ONLINE and node.interruption == {}
+
+
+def test_a_job_that_does_not_checkpoint_before_the_deadline_is_requeued_anyway(acme, registered, root,
+                                                                               verify_queue):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from broker.jobs.migration import migrations_sweep
+
+    node, token = registered
+    job, allocation = running_job(acme, node, root)
+    earlier = write(root, 7)
+    report_checkpoint(token, allocation, earlier)
+    checkpoints.checkpoint_verify(checkpoint_id=Checkpoint.objects.get(job=job, step=7).pk)
+    heartbeat(token, interruption=notice(60))
+    assert migrations_sweep()["late"] == []
+    assert len(migrations_sweep(now=timezone.now() + timedelta(seconds=50))["late"]) == 1  # 60 s minus the margin
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    assert "resumes from step 7" in job.pending_reason and "loses the work since" in job.pending_reason

@@ -1,0 +1,130 @@
+"""Preemption through the broker: a victim with checkpoints is asked for one and stops once it is
+committed (or when its grace runs out); one without restarts from the beginning and is told so; a job
+below its minimum run time is left alone."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from broker.jobs import checkpoints
+from broker.jobs.migration import migrations_sweep
+from broker.jobs.models import Checkpoint, Job, Migration, MigrationState
+from broker.jobs.services import GpuRequest, allocation_commit, job_transition
+from broker.jobs.states import JobState
+from broker.scheduler.services import scheduling_cycle_run
+
+from .test_agent_api import API, agent_client, registered, join_token  # noqa: F401 (fixtures)
+from .test_api_tenancy import submit
+from .test_checkpoints import report_checkpoint, root, verify_queue, write  # noqa: F401
+
+
+def low_running(acme, node, *, ran_for: timedelta, checkpoint_uri: str | None = None) -> Job:
+    spec = {"checkpoint": {"uri": checkpoint_uri}} if checkpoint_uri else {}
+    low = submit(acme, name="low", resources={"gpus": 4}, preemptible=True, priority="low", **spec)
+    (allocation,) = allocation_commit(job=low, requests=[GpuRequest(node=node, gpu_indices=(0, 1, 2, 3))])
+    for to in (JobState.STARTING, JobState.RUNNING):
+        low = job_transition(job=low, to=to)
+    Job.objects.filter(pk=low.pk).update(started_at=timezone.now() - ran_for)
+    low.refresh_from_db()
+    return low
+
+
+def only_the_registered_node(acme):
+    for node in acme.nodes:  # the simulated nodes: out of the way, so the two jobs compete
+        node.state = "OFFLINE"
+        node.save()
+
+
+def test_a_victim_with_checkpoints_checkpoints_first_then_yields(acme, registered, root, verify_queue):
+    node, token = registered
+    only_the_registered_node(acme)
+    low = low_running(acme, node, ran_for=timedelta(hours=2), checkpoint_uri=str(root / "train"))
+    high = submit(acme, name="high", resources={"gpus": 4}, priority="critical")
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert outcome.preempted == [low.pk]
+    low.refresh_from_db()
+    assert low.state == JobState.CHECKPOINTING  # still running, writing its checkpoint
+    move = Migration.objects.get(job=low)
+    assert move.cause == "PREEMPTION" and move.deadline is not None
+    assert (move.deadline - timezone.now()).total_seconds() > 100  # the default grace is 120 s
+    scheduling_cycle_run(tenant=acme.tenant)  # the next cycle does not preempt it twice
+    assert Migration.objects.filter(job=low).count() == 1
+
+    (a,) = agent_client(token).get(f"{API}/assignments").json()["assignments"]
+    assert report_checkpoint(token, low.allocations.get(active=True), write(root, 321),
+                             request_id=a["checkpoint_request_id"]).status_code == 200
+    checkpoints.checkpoint_verify(checkpoint_id=Checkpoint.objects.get(job=low).pk)
+    low.refresh_from_db()
+    assert low.state == JobState.PENDING and low.pending_reason_code == "PREEMPTED"
+    assert "resumes from it" in low.pending_reason and "step 321" in low.pending_reason
+    scheduling_cycle_run(tenant=acme.tenant)
+    high.refresh_from_db()
+    assert high.state == JobState.PLACED
+
+
+def test_a_victim_that_does_not_checkpoint_in_its_grace_is_stopped_anyway(acme, registered, root, settings):
+    node, _ = registered
+    only_the_registered_node(acme)
+    settings.WHALEZEN_PREEMPTION_GRACE_SECONDS = 30
+    low = low_running(acme, node, ran_for=timedelta(hours=2), checkpoint_uri=str(root / "train"))
+    submit(acme, name="high", resources={"gpus": 4}, priority="critical")
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert migrations_sweep(now=timezone.now() + timedelta(seconds=10))["late"] == []
+    assert len(migrations_sweep(now=timezone.now() + timedelta(seconds=31))["late"]) == 1
+    low.refresh_from_db()
+    assert low.state == JobState.PENDING
+    assert "restarts from the beginning" in low.pending_reason
+    assert Migration.objects.get(job=low).state == MigrationState.PLACING
+    assert not low.allocations.filter(active=True).exists()
+
+
+def test_a_victim_without_checkpoints_is_told_it_restarts_from_the_beginning(acme, registered):
+    node, _ = registered
+    only_the_registered_node(acme)
+    low = low_running(acme, node, ran_for=timedelta(hours=2))
+    submit(acme, name="high", resources={"gpus": 4}, priority="critical")
+    assert scheduling_cycle_run(tenant=acme.tenant).preempted == [low.pk]
+    low.refresh_from_db()
+    assert low.state == JobState.PENDING
+    preempted = low.events.filter(kind="state", data__to="PREEMPTED").get()
+    assert "restarts from the beginning" in preempted.message
+
+
+def test_a_job_below_its_minimum_run_time_is_not_preempted(acme, registered, root):
+    node, _ = registered
+    only_the_registered_node(acme)
+    low = low_running(acme, node, ran_for=timedelta(minutes=2), checkpoint_uri=str(root / "train"))
+    high = submit(acme, name="high", resources={"gpus": 4}, priority="critical")
+    assert scheduling_cycle_run(tenant=acme.tenant).preempted == []
+    low.refresh_from_db()
+    high.refresh_from_db()
+    assert low.state == JobState.RUNNING and high.state == JobState.PENDING
+    assert not Migration.objects.filter(job=low).exists()
+
+
+def test_the_engines_defragmentation_moves_are_begun_as_checkpointed_migrations(acme, root):
+    """Two 8-GPU nodes, a small movable job on each: an 8-GPU job fits nowhere until one of them moves
+    beside the other. The cycle begins that move (checkpoint first) and the big job waits for it."""
+    small = []
+    for index, node in enumerate(acme.nodes):
+        job = submit(acme, name=f"small{index}", resources={"gpus": 1}, preemptible=True, priority="high",
+                     checkpoint={"uri": str(root / f"s{index}")})
+        allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+        for to in (JobState.STARTING, JobState.RUNNING):
+            job = job_transition(job=job, to=to)
+        small.append(job)
+    Job.objects.filter(pk__in=[j.pk for j in small]).update(started_at=timezone.now() - timedelta(hours=1))
+    big = submit(acme, name="big", resources={"gpus": 8}, priority="high")
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert len(outcome.moved) == 1, outcome.conflicts
+    (move,) = Migration.objects.all()
+    assert move.cause == "DEFRAGMENTATION" and move.state == MigrationState.CHECKPOINTING
+    mover = Job.objects.get(pk=move.job_id)
+    other = next(j for j in small if j.pk != mover.pk)
+    assert mover.state == JobState.CHECKPOINTING
+    assert move.target_node == other.allocations.get(active=True).node.name
+    big.refresh_from_db()
+    assert big.state == JobState.PENDING and big.pending_reason_code == "WAITING_FOR_DEFRAGMENTATION"
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert Migration.objects.count() == 1  # one move at a time per job; the next cycle does not repeat it
