@@ -175,3 +175,132 @@ def test_a_member_is_told_who_may_confirm_a_node_off(acme):
                                  "node is powered off.")
     held.refresh_from_db()
     assert held.stop_unconfirmed is True
+
+
+# -- the lost-node sweep ---------------------------------------------------------------------------
+def _agent_nodes(acme, gpu_models, count: int) -> list[Node]:
+    """`count` nodes that heartbeat (their last one is set by each test), named in sweep order."""
+    from broker.inventory.services import node_create_simulated
+
+    nodes = list(acme.nodes)
+    for i in range(len(nodes), count):
+        nodes.append(node_create_simulated(pool=acme.pool, name=f"acme-a100-{i}", gpu_model=gpu_models["A100-80GB"],
+                                           gpu_count=8, nvlink_island_size=4, cpu_milli=96000,
+                                           memory_mb=1024 * 1024))
+    return nodes[:count]
+
+
+def _sweep_clock():
+    from broker.ops.models import PeriodicRun
+    from broker.scheduler.outage import LOST_SWEEP
+
+    return PeriodicRun.objects.get(name=LOST_SWEEP)
+
+
+def test_nodes_that_never_heartbeated_do_not_make_the_sweep_record_an_outage(acme, monkeypatch):
+    from broker.agents.services import nodes_mark_lost
+    from broker.scheduler import outage
+
+    monkeypatch.setattr(outage, "agents_way_in_answers", lambda: False)  # the web server is down too
+    assert nodes_mark_lost() == []
+    assert _sweep_clock().resumed_at is None, "no agent is silent: nothing says the broker was down"
+
+
+def test_a_retired_node_heard_recently_does_not_prove_the_broker_is_up(acme, gpu_models, monkeypatch):
+    """Every live agent node silent at once and the way in down: the broker is down in front of them,
+    whatever an OFFLINE node said before it was retired."""
+    from datetime import timedelta
+
+    from broker.agents.services import lost_after_seconds, nodes_mark_lost
+    from broker.scheduler import outage
+
+    from django.utils import timezone
+
+    silent, retired = _agent_nodes(acme, gpu_models, 2)
+    now = timezone.now()
+    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=now - timedelta(seconds=lost_after_seconds() + 5))
+    Node.objects.filter(pk=retired.pk).update(state=NodeState.OFFLINE, last_heartbeat_at=now)
+    monkeypatch.setattr(outage, "agents_way_in_answers", lambda: False)
+    assert nodes_mark_lost(now=now) == []
+    silent.refresh_from_db()
+    assert silent.state == NodeState.ONLINE
+    assert _sweep_clock().resumed_at == now
+
+
+def test_every_silent_node_is_marked_lost_with_its_job_told_why(acme, gpu_models, monkeypatch):
+    from datetime import timedelta
+
+    from broker.agents.services import lost_after_seconds, nodes_mark_lost
+    from broker.scheduler import outage
+
+    from django.utils import timezone
+
+    nodes = _agent_nodes(acme, gpu_models, 2)
+    now, limit = timezone.now(), lost_after_seconds()
+    jobs, epochs = [], []
+    for node in nodes:
+        job = submit(acme, name=f"on-{node.name}")
+        allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+        Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now - timedelta(seconds=limit + 7))
+        node.refresh_from_db()
+        jobs.append(job)
+        epochs.append(node.epoch)
+    monkeypatch.setattr(outage, "agents_way_in_answers", lambda: True)
+    lost = nodes_mark_lost(now=now)
+    assert [n.pk for n in lost] == [n.pk for n in nodes]
+    for node, job, epoch in zip(nodes, jobs, epochs):
+        node.refresh_from_db()
+        assert node.state == NodeState.LOST
+        assert node.epoch == epoch + 2  # one for LOST, one for releasing the job's GPUs
+        job.refresh_from_db()
+        assert (job.state, job.pending_reason_code) == (JobState.PENDING, "NODE_LOST")
+        assert job.pending_reason == (
+            f"Node {node.name} sent no heartbeat for {limit + 7} s (limit {limit} s); the job restarts elsewhere "
+            "from its last committed checkpoint, once its copy there is confirmed stopped "
+            f"(at most {fence_wait_seconds()} s).")
+
+
+def test_a_silent_node_without_jobs_moves_its_epoch_on_by_one(acme, gpu_models, monkeypatch):
+    from datetime import timedelta
+
+    from broker.agents.services import lost_after_seconds, nodes_mark_lost
+    from broker.scheduler import outage
+
+    from django.utils import timezone
+
+    (node,) = _agent_nodes(acme, gpu_models, 1)
+    now = timezone.now()
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now - timedelta(seconds=lost_after_seconds() + 1))
+    node.refresh_from_db()
+    epoch = node.epoch
+    monkeypatch.setattr(outage, "agents_way_in_answers", lambda: True)
+    assert [n.pk for n in nodes_mark_lost(now=now)] == [node.pk]
+    node.refresh_from_db()
+    assert (node.state, node.epoch) == (NodeState.LOST, epoch + 1)
+
+
+def test_a_node_that_changed_during_the_sweep_is_left_alone_and_the_rest_still_swept(acme, gpu_models,
+                                                                                      monkeypatch):
+    """Between the sweep reading the silent nodes and marking them: the first heartbeats again, the
+    second is retired (OFFLINE). Neither is marked LOST; the third, still silent, is."""
+    from datetime import timedelta
+
+    from broker.agents.services import lost_after_seconds, nodes_mark_lost
+    from broker.scheduler import outage
+
+    from django.utils import timezone
+
+    first, second, third = _agent_nodes(acme, gpu_models, 3)
+    now = timezone.now()
+    Node.objects.filter(pk__in=[first.pk, second.pk, third.pk]).update(
+        last_heartbeat_at=now - timedelta(seconds=lost_after_seconds() + 5))
+
+    def meanwhile() -> bool:
+        Node.objects.filter(pk=first.pk).update(last_heartbeat_at=now)
+        Node.objects.filter(pk=second.pk).update(state=NodeState.OFFLINE)
+        return True
+
+    monkeypatch.setattr(outage, "agents_way_in_answers", meanwhile)
+    assert [n.pk for n in nodes_mark_lost(now=now)] == [third.pk]
+    states = dict(Node.objects.filter(pk__in=[first.pk, second.pk, third.pk]).values_list("pk", "state"))
+    assert states == {first.pk: NodeState.ONLINE, second.pk: NodeState.OFFLINE, third.pk: NodeState.LOST}

@@ -145,3 +145,27 @@ def test_the_gpu_quota_message_counts_gpus_not_slots(acme):
         allocation_commit(job=submit(acme, name="w"), requests=[GpuRequest(node=node, gpu_indices=(1,))])
     err = caught.value
     assert (str(err), err.field, err.code) == ("GPU quota exceeded: 0.5 in use + 1 > 1.", "resources", "quota")
+
+
+# -- why a pending job waits -----------------------------------------------------------------------
+def test_a_pending_reason_is_recorded_on_that_job_only_and_logged_when_it_changes(acme):
+    from broker.jobs.services import job_set_pending_reason
+
+    job, other = submit(acme, name="waits"), submit(acme, name="other")
+    data = {"pool": "onprem", "max_instances": 2}
+    job_set_pending_reason(job=job, code="OFFER_QUOTA", message="The pool is at its instance cap.", data=data)
+    job.refresh_from_db()
+    other.refresh_from_db()
+    assert (job.pending_reason_code, job.pending_reason, job.pending_reason_data) == (
+        "OFFER_QUOTA", "The pool is at its instance cap.", data)
+    assert (other.pending_reason_code, other.pending_reason) == ("NOT_YET_SCHEDULED",
+                                                                  "Waiting for the next scheduling cycle.")
+    (event,) = JobEvent.objects.filter(job=job, kind="pending_reason")
+    assert (event.reason_code, event.message, event.data) == ("OFFER_QUOTA", "The pool is at its instance cap.",
+                                                              data)
+    assert not JobEvent.objects.filter(job=other, kind="pending_reason").exists()
+    # The same reason again (next cycle, new words): recorded, but no second event.
+    job_set_pending_reason(job=job, code="OFFER_QUOTA", message="Still at the cap.")
+    job.refresh_from_db()
+    assert (job.pending_reason, job.pending_reason_data) == ("Still at the cap.", {})
+    assert JobEvent.objects.filter(job=job, kind="pending_reason").count() == 1
