@@ -204,8 +204,8 @@ class GcpProvider(Provider):
             if done.error.errors[0].code in ALREADY_EXISTS_CODES:
                 return self._adopt(request, name)
             raise map_operation_error(list(done.error.errors))
-        log.info("gcp: created %s (%s, %s) for request %s", name, request.instance_type, request.zone,
-                 request.request_key)
+        log.info("gcp: created %s (%s, %s) for request %s", name, request.instance_type, request.zone,  # pragma: no mutate
+                 request.request_key)  # pragma: no mutate
         return self.describe(InstanceRef(provider="gcp", region=request.region, zone=request.zone, instance_id=name))
 
     def _adopt(self, request: ProvisionRequest, name: str) -> InstanceInfo:
@@ -213,7 +213,7 @@ class GcpProvider(Provider):
         if not self._owns(instance, request):
             raise ProviderError(ErrorKind.BAD_REQUEST, f"instance {name} exists but does not carry this "
                                 "request's labels; not adopting it", provider="gcp", code="alreadyExists")
-        log.info("gcp: request %s already created %s; adopting it", request.request_key, name)
+        log.info("gcp: request %s already created %s; adopting it", request.request_key, name)  # pragma: no mutate
         return instance_info(request.region, instance)
 
     def instance_resource(self, request: ProvisionRequest, name: str) -> compute_v1.Instance:
@@ -309,7 +309,7 @@ class GcpProvider(Provider):
             return InstanceInfo(ref=ref, state=InstanceState.TERMINATED, state_reason="not-found")
         except Exception as exc:
             raise map_api_error(exc) from exc
-        log.info("gcp: delete requested for %s", ref.instance_id)
+        log.info("gcp: delete requested for %s", ref.instance_id)  # pragma: no mutate
         return InstanceInfo(ref=ref, state=InstanceState.TERMINATING)
 
     def list_owned(self) -> list[InstanceInfo]:
