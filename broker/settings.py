@@ -268,6 +268,13 @@ WHALEZEN_CHECKPOINT_ROOTS = [
 ]
 # A checkpoint request that gets no committed checkpoint in this time is given up (the job runs on).
 WHALEZEN_CHECKPOINT_TIMEOUT_SECONDS = float(os.environ.get("WHALEZEN_CHECKPOINT_TIMEOUT_SECONDS", 300))
+# Preemption and moves (broker.jobs.migration): a job is neither preempted nor moved before it has run
+# this long since it (re)started; a preempted job with checkpoints gets the grace to commit one.
+WHALEZEN_MIN_RUN_BEFORE_PREEMPT_SECONDS = float(os.environ.get("WHALEZEN_MIN_RUN_BEFORE_PREEMPT_SECONDS", 600))
+WHALEZEN_MIN_RUN_BEFORE_MOVE_SECONDS = float(os.environ.get("WHALEZEN_MIN_RUN_BEFORE_MOVE_SECONDS", 600))
+WHALEZEN_MAX_MOVES_PER_CYCLE = int(os.environ.get("WHALEZEN_MAX_MOVES_PER_CYCLE", 4))
+WHALEZEN_PREEMPTION_GRACE_SECONDS = float(os.environ.get("WHALEZEN_PREEMPTION_GRACE_SECONDS", 120))
+WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS = float(os.environ.get("WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS", 120))
 # Where the broker reads s3:// checkpoints to verify them (None: AWS itself; set for MinIO or moto).
 WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL = os.environ.get("WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL") or None
 DATA_UPLOAD_MAX_MEMORY_SIZE = WHALEZEN_MAX_BODY_BYTES

@@ -244,6 +244,8 @@ def checkpoints_prune(*, job: Job, keep: int = KEEP_COMMITTED) -> list[int]:
         try:
             storage, name = _storage_and_name(checkpoint.uri)
             storage.delete_dir(name)
+        except FileNotFoundError:
+            pass  # already gone: the job's own helper prunes too (agent/checkpoint prune)
         except Exception as exc:  # keep the row as it is and try again after the next commit
             log.warning("checkpoint %s: cannot delete %s: %s", checkpoint.pk, checkpoint.uri, exc)
             continue

@@ -38,7 +38,12 @@ log = logging.getLogger(__name__)
 # applied as checkpointed migrations (broker.jobs.migration), under the engine's own limits: at most
 # Policy.max_moves_per_cycle per cycle, and never a job that has run less than
 # Policy.min_run_before_move_s since it (re)started, so no job moves twice within that interval.
-BROKER_POLICY = sm.Policy(defragmentation=True, consolidation=True, time_limit_s=2.0)
+BROKER_POLICY = sm.Policy(
+    defragmentation=True, consolidation=True, time_limit_s=2.0,
+    min_run_before_preempt_s=float(getattr(settings, "WHALEZEN_MIN_RUN_BEFORE_PREEMPT_SECONDS", 600)),
+    min_run_before_move_s=float(getattr(settings, "WHALEZEN_MIN_RUN_BEFORE_MOVE_SECONDS", 600)),
+    max_moves_per_cycle=int(getattr(settings, "WHALEZEN_MAX_MOVES_PER_CYCLE", 4)),
+)
 
 
 def preemption_grace_seconds() -> float:

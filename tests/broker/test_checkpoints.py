@@ -281,3 +281,18 @@ def test_s3_checkpoints_are_verified_by_reading_them_back_from_s3(acme, register
     states = dict(Checkpoint.objects.filter(job=job).values_list("step", "state"))
     assert states == {100: "COMMITTED", 200: "INVALID"}
     assert checkpoints.committed_checkpoint(job).uri == "s3://acme-ckpt/llama/step-000000000100"
+
+
+def test_a_checkpoint_the_job_already_pruned_is_marked_deleted(acme, registered, root, verify_queue):
+    import shutil
+
+    node, token = registered
+    job, allocation = running_job(acme, node, root)
+    saved = [write(root, step) for step in (1, 2, 3)]
+    for one in saved:
+        report_checkpoint(token, allocation, one)
+        checkpoints.checkpoint_verify(checkpoint_id=Checkpoint.objects.get(job=job, step=one.step).pk)
+        if one.step == 2:
+            shutil.rmtree(saved[0].uri)  # the job's helper pruned it (keep=2) before the broker did
+    states = dict(Checkpoint.objects.filter(job=job).values_list("step", "state"))
+    assert states == {1: "DELETED", 2: "COMMITTED", 3: "COMMITTED"}

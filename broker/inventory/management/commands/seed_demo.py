@@ -101,6 +101,18 @@ def demo_token(*, tenant: Tenant, user, saved: str | None) -> str:
     return api_token_create(tenant=tenant, user=user, name=DEMO_TOKEN_NAME).secret
 
 
+def _open_demo_checkpoint_root() -> None:
+    """The demo's checkpoint root (the first of WHALEZEN_CHECKPOINT_ROOTS under the var dir): demo jobs
+    run as an unprivileged user and create their checkpoint folders in it, so it is world-writable and
+    sticky, like /tmp (a job may not remove another's folder). Production roots are shared storage
+    provisioned by the operator; this only touches a root inside the demo's own var dir."""
+    for root in settings.WHALEZEN_CHECKPOINT_ROOTS:
+        path = Path(root)
+        if settings.VAR_DIR in path.parents:
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o1777)
+
+
 class Command(BaseCommand):
     help = "Create demo tenants, users, GPU models and simulated nodes; print one API token per tenant."
 
@@ -140,5 +152,6 @@ class Command(BaseCommand):
                 secrets[slug] = demo_token(tenant=tenant, user=user, saved=saved.get(slug))
                 lines.append(f"TOKEN {slug} {secrets[slug]}")
             _save_tokens(secrets)
+        _open_demo_checkpoint_root()
         for line in lines:
             self.stdout.write(line)
