@@ -169,3 +169,18 @@ def test_a_pending_reason_is_recorded_on_that_job_only_and_logged_when_it_change
     job.refresh_from_db()
     assert (job.pending_reason, job.pending_reason_data) == ("Still at the cap.", {})
     assert JobEvent.objects.filter(job=job, kind="pending_reason").count() == 1
+
+
+def test_a_reason_for_a_job_placed_meanwhile_is_dropped(acme):
+    """The cycle planned `job` as waiting, but it was placed before the reason was written: a placed
+    job says nothing about waiting, and its history gets no pending-reason event."""
+    from broker.jobs.services import job_set_pending_reason
+
+    job = submit(acme)
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
+    job_set_pending_reason(job=job, code="NO_CAPACITY", message="No node has a free GPU.")
+    job.refresh_from_db()
+    assert (job.state, job.pending_reason_code, job.pending_reason) == (JobState.PLACED, "", "")
+    assert not JobEvent.objects.filter(job=job, kind="pending_reason").exists()
+    shown = acme.client.get(f"{JOBS}/{job.pk}/").json()
+    assert shown["state"] == JobState.PLACED
