@@ -5,33 +5,37 @@ pending reason, its events, and which allocations still hold a job's next start.
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from broker.agents.fencing import fence_wait_seconds
 from broker.agents.models import NodeAgent
-from broker.agents.services import ConfirmForbidden, agent_heartbeat, node_confirm_powered_off, node_give_up
+from broker.agents.services import (ConfirmForbidden, agent_heartbeat, lost_after_seconds,
+                                    node_confirm_powered_off, node_give_up, nodes_mark_lost)
 from broker.inventory.models import Gpu, Node, NodeState
+from broker.inventory.services import node_create_simulated, pool_join_token_issue
 from broker.jobs.models import Allocation, JobEvent
 from broker.jobs.services import GpuRequest, allocation_commit, job_requeue, jobs_requeue_on_node
 from broker.jobs.states import JobState
-
-import pytest
+from broker.ops.models import PeriodicRun
+from broker.scheduler import outage
 
 from .test_agent_api import API, agent_client, cloud_instance, reading, register_body
 from .test_api_tenancy import submit
 
 
 def _register(join_token: str, name: str) -> tuple[Node, str]:
-    resp = APIClient().post(f"{API}/register", register_body(join_token, name=name, agent_key=f"key-{name}-xx"),
-                            format="json")
+    body = register_body(join_token, name=name, agent_key=f"key-{name}-xx")
+    resp = APIClient().post(f"{API}/register", body, format="json")
     assert resp.status_code == 201, resp.content
     return Node.objects.get(pk=resp.json()["node_id"]), resp.json()["node_token"]
 
 
 @pytest.fixture
 def join_token(acme) -> str:
-    from broker.inventory.services import pool_join_token_issue
-
     return pool_join_token_issue(pool=acme.pool)
 
 
@@ -48,12 +52,13 @@ def test_a_heartbeat_records_version_mig_mode_ecc_and_the_agents_error(acme, joi
         reading(3),
     ]
     del telemetry[4]["mig_mode"]
-    resp = agent_client(token).post(f"{API}/heartbeat", {"agent_version": "9.9.9", "telemetry": telemetry,
-                                                          "last_error": "nvml: driver not loaded"}, format="json")
+    body = {"agent_version": "9.9.9", "telemetry": telemetry, "last_error": "nvml: driver not loaded"}
+    resp = agent_client(token).post(f"{API}/heartbeat", body, format="json")
     assert resp.status_code == 200, resp.content
     shown = acme.client.get(f"/api/v1/nodes/{node.pk}/").json()
     assert shown["agent_version"] == "9.9.9"
-    assert [g["mig_mode"] for g in sorted(shown["gpus"], key=lambda g: g["index"])] == [True, False, True, False]
+    mig = [g["mig_mode"] for g in sorted(shown["gpus"], key=lambda g: g["index"])]
+    assert mig == [True, False, True, False]
     gpus = {g.index: g for g in Gpu.objects.filter(node=node)}
     assert [gpus[i].utilization_pct for i in range(4)] == [40, 41, 42, 43]
     assert gpus[0].ecc_errors == 0
@@ -111,8 +116,9 @@ def test_retiring_a_node_revokes_its_token_once_and_requeues_its_job_fenced(acme
     assert node.epoch == epoch + 2  # one for going OFFLINE, one for releasing the job's GPUs
     job.refresh_from_db()
     assert (job.state, job.pending_reason_code) == (JobState.PENDING, "NODE_RETIRED")
-    assert job.pending_reason == (f"Node {node.name} was retired (idle); the job restarts elsewhere once the "
-                                  f"provider confirms the instance terminated (at most {fence_wait_seconds()} s).")
+    assert job.pending_reason == (
+        f"Node {node.name} was retired (idle); the job restarts elsewhere once the provider confirms the "
+        f"instance terminated (at most {fence_wait_seconds()} s).")
     allocation.refresh_from_db()
     assert (allocation.active, allocation.stop_unconfirmed) == (False, True)
 
@@ -158,12 +164,13 @@ def test_confirming_a_node_off_releases_only_its_own_unconfirmed_copies(acme):
     assert elsewhere.stop_unconfirmed is True, "another LOST node's copies still wait"
     (event,) = JobEvent.objects.filter(job_id=held.job_id, reason_code="NODE_CONFIRMED_OFF")
     assert event.kind == "operator"
-    assert event.message == (f"{acme.admin} confirmed that node {node.name} is powered off: the job's copy there "
-                             "counts as stopped and it may start elsewhere at once.")
+    assert event.message == (f"{acme.admin} confirmed that node {node.name} is powered off: the job's copy "
+                             "there counts as stopped and it may start elsewhere at once.")
     assert event.data == {"node": node.name, "by": str(acme.admin)}
     events = acme.client.get(f"/api/v1/jobs/{held.job_id}/events/").json()["results"]
     assert [e["kind"] for e in events if e["reason_code"] == "NODE_CONFIRMED_OFF"] == ["operator"]
-    assert not JobEvent.objects.filter(job__in=[ordinary.pk, elsewhere.job_id], reason_code="NODE_CONFIRMED_OFF")
+    others = [ordinary.pk, elsewhere.job_id]
+    assert not JobEvent.objects.filter(job__in=others, reason_code="NODE_CONFIRMED_OFF").exists()
 
 
 def test_a_member_is_told_who_may_confirm_a_node_off(acme):
@@ -171,8 +178,8 @@ def test_a_member_is_told_who_may_confirm_a_node_off(acme):
     held = _held_on(node, submit(acme))
     with pytest.raises(ConfirmForbidden) as caught:
         node_confirm_powered_off(node=node, by=acme.member)
-    assert str(caught.value) == ("Only a platform operator or an admin of the node's tenant may confirm that a "
-                                 "node is powered off.")
+    assert str(caught.value) == ("Only a platform operator or an admin of the node's tenant may confirm that "
+                                 "a node is powered off.")
     held.refresh_from_db()
     assert held.stop_unconfirmed is True
 
@@ -180,27 +187,19 @@ def test_a_member_is_told_who_may_confirm_a_node_off(acme):
 # -- the lost-node sweep ---------------------------------------------------------------------------
 def _agent_nodes(acme, gpu_models, count: int) -> list[Node]:
     """`count` nodes that heartbeat (their last one is set by each test), named in sweep order."""
-    from broker.inventory.services import node_create_simulated
-
     nodes = list(acme.nodes)
     for i in range(len(nodes), count):
-        nodes.append(node_create_simulated(pool=acme.pool, name=f"acme-a100-{i}", gpu_model=gpu_models["A100-80GB"],
-                                           gpu_count=8, nvlink_island_size=4, cpu_milli=96000,
-                                           memory_mb=1024 * 1024))
+        nodes.append(node_create_simulated(pool=acme.pool, name=f"acme-a100-{i}", gpu_count=8,
+                                           gpu_model=gpu_models["A100-80GB"], nvlink_island_size=4,
+                                           cpu_milli=96000, memory_mb=1024 * 1024))
     return nodes[:count]
 
 
 def _sweep_clock():
-    from broker.ops.models import PeriodicRun
-    from broker.scheduler.outage import LOST_SWEEP
-
-    return PeriodicRun.objects.get(name=LOST_SWEEP)
+    return PeriodicRun.objects.get(name=outage.LOST_SWEEP)
 
 
 def test_nodes_that_never_heartbeated_do_not_make_the_sweep_record_an_outage(acme, monkeypatch):
-    from broker.agents.services import nodes_mark_lost
-    from broker.scheduler import outage
-
     monkeypatch.setattr(outage, "agents_way_in_answers", lambda: False)  # the web server is down too
     assert nodes_mark_lost() == []
     assert _sweep_clock().resumed_at is None, "no agent is silent: nothing says the broker was down"
@@ -209,16 +208,10 @@ def test_nodes_that_never_heartbeated_do_not_make_the_sweep_record_an_outage(acm
 def test_a_retired_node_heard_recently_does_not_prove_the_broker_is_up(acme, gpu_models, monkeypatch):
     """Every live agent node silent at once and the way in down: the broker is down in front of them,
     whatever an OFFLINE node said before it was retired."""
-    from datetime import timedelta
-
-    from broker.agents.services import lost_after_seconds, nodes_mark_lost
-    from broker.scheduler import outage
-
-    from django.utils import timezone
-
     silent, retired = _agent_nodes(acme, gpu_models, 2)
     now = timezone.now()
-    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=now - timedelta(seconds=lost_after_seconds() + 5))
+    long_ago = now - timedelta(seconds=lost_after_seconds() + 5)
+    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=long_ago)
     Node.objects.filter(pk=retired.pk).update(state=NodeState.OFFLINE, last_heartbeat_at=now)
     monkeypatch.setattr(outage, "agents_way_in_answers", lambda: False)
     assert nodes_mark_lost(now=now) == []
@@ -228,13 +221,6 @@ def test_a_retired_node_heard_recently_does_not_prove_the_broker_is_up(acme, gpu
 
 
 def test_every_silent_node_is_marked_lost_with_its_job_told_why(acme, gpu_models, monkeypatch):
-    from datetime import timedelta
-
-    from broker.agents.services import lost_after_seconds, nodes_mark_lost
-    from broker.scheduler import outage
-
-    from django.utils import timezone
-
     nodes = _agent_nodes(acme, gpu_models, 2)
     now, limit = timezone.now(), lost_after_seconds()
     jobs, epochs = [], []
@@ -255,22 +241,16 @@ def test_every_silent_node_is_marked_lost_with_its_job_told_why(acme, gpu_models
         job.refresh_from_db()
         assert (job.state, job.pending_reason_code) == (JobState.PENDING, "NODE_LOST")
         assert job.pending_reason == (
-            f"Node {node.name} sent no heartbeat for {limit + 7} s (limit {limit} s); the job restarts elsewhere "
-            "from its last committed checkpoint, once its copy there is confirmed stopped "
+            f"Node {node.name} sent no heartbeat for {limit + 7} s (limit {limit} s); the job restarts "
+            "elsewhere from its last committed checkpoint, once its copy there is confirmed stopped "
             f"(at most {fence_wait_seconds()} s).")
 
 
 def test_a_silent_node_without_jobs_moves_its_epoch_on_by_one(acme, gpu_models, monkeypatch):
-    from datetime import timedelta
-
-    from broker.agents.services import lost_after_seconds, nodes_mark_lost
-    from broker.scheduler import outage
-
-    from django.utils import timezone
-
     (node,) = _agent_nodes(acme, gpu_models, 1)
     now = timezone.now()
-    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now - timedelta(seconds=lost_after_seconds() + 1))
+    long_ago = now - timedelta(seconds=lost_after_seconds() + 1)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=long_ago)
     node.refresh_from_db()
     epoch = node.epoch
     monkeypatch.setattr(outage, "agents_way_in_answers", lambda: True)
@@ -283,13 +263,6 @@ def test_a_node_that_changed_during_the_sweep_is_left_alone_and_the_rest_still_s
                                                                                       monkeypatch):
     """Between the sweep reading the silent nodes and marking them: the first heartbeats again, the
     second is retired (OFFLINE). Neither is marked LOST; the third, still silent, is."""
-    from datetime import timedelta
-
-    from broker.agents.services import lost_after_seconds, nodes_mark_lost
-    from broker.scheduler import outage
-
-    from django.utils import timezone
-
     first, second, third = _agent_nodes(acme, gpu_models, 3)
     now = timezone.now()
     Node.objects.filter(pk__in=[first.pk, second.pk, third.pk]).update(

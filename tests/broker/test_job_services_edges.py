@@ -9,8 +9,8 @@ import pytest
 
 from broker.jobs import services
 from broker.jobs.models import AllocationSlice, Job, JobEvent
-from broker.jobs.services import (DoubleBooking, GpuRequest, JobError, StaleState, allocation_commit, job_cancel,
-                                  job_transition)
+from broker.jobs.services import (DoubleBooking, GpuRequest, JobError, StaleState, allocation_commit,
+                                  job_cancel, job_set_pending_reason, job_transition)
 from broker.jobs.states import JobState
 
 from .test_api_tenancy import submit
@@ -29,7 +29,8 @@ def test_cancelling_a_finished_job_is_a_409_naming_both_states(acme):
     job = _force(submit(acme), JobState.SUCCEEDED)
     resp = acme.client.post(f"{JOBS}/{job.pk}/cancel/")
     assert resp.status_code == 409
-    assert resp.json() == {"state": ["A job cannot go from SUCCEEDED to CANCELLED."], "code": "illegal_transition"}
+    assert resp.json() == {"state": ["A job cannot go from SUCCEEDED to CANCELLED."],
+                           "code": "illegal_transition"}
     job.refresh_from_db()
     assert job.state == JobState.SUCCEEDED
 
@@ -90,7 +91,8 @@ def test_a_stale_caller_is_told_the_state_the_job_is_in(acme):
     with pytest.raises(StaleState) as caught:
         job_transition(job=job, to=JobState.CANCELLED, expected=JobState.PLACED)
     err = caught.value
-    assert (str(err), err.field, err.code) == ("The job is PENDING, not PLACED any more.", "state", "conflict")
+    assert (str(err), err.field, err.code) == ("The job is PENDING, not PLACED any more.", "state",
+                                               "conflict")
     assert (err.expected, err.actual) == (JobState.PLACED, JobState.PENDING)
 
 
@@ -101,8 +103,8 @@ def test_a_gpu_share_already_taken_is_a_double_booking_on_gpus(acme):
     with pytest.raises(DoubleBooking) as caught:
         allocation_commit(job=second, requests=[GpuRequest(node=node, gpu_indices=(0,))])
     err = caught.value
-    assert (str(err), err.field, err.code) == (f"GPU 0 on {node.name} does not have the share requested free.",
-                                               "gpus", "double_booking")
+    assert (str(err), err.field, err.code) == (
+        f"GPU 0 on {node.name} does not have the share requested free.", "gpus", "double_booking")
 
 
 def test_losing_the_race_for_a_slot_at_insert_is_a_double_booking_on_gpus(acme, monkeypatch):
@@ -123,7 +125,8 @@ def test_losing_the_race_for_a_slot_at_insert_is_a_double_booking_on_gpus(acme, 
     with pytest.raises(DoubleBooking) as caught:
         allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0,))])
     err = caught.value
-    assert (str(err), err.field, err.code) == ("One of these GPUs is already allocated.", "gpus", "double_booking")
+    assert (str(err), err.field, err.code) == ("One of these GPUs is already allocated.", "gpus",
+                                               "double_booking")
     job.refresh_from_db()
     assert job.state == JobState.PENDING
 
@@ -144,13 +147,12 @@ def test_the_gpu_quota_message_counts_gpus_not_slots(acme):
     with pytest.raises(JobError) as caught:
         allocation_commit(job=submit(acme, name="w"), requests=[GpuRequest(node=node, gpu_indices=(1,))])
     err = caught.value
-    assert (str(err), err.field, err.code) == ("GPU quota exceeded: 0.5 in use + 1 > 1.", "resources", "quota")
+    assert (str(err), err.field, err.code) == ("GPU quota exceeded: 0.5 in use + 1 > 1.", "resources",
+                                               "quota")
 
 
 # -- why a pending job waits -----------------------------------------------------------------------
 def test_a_pending_reason_is_recorded_on_that_job_only_and_logged_when_it_changes(acme):
-    from broker.jobs.services import job_set_pending_reason
-
     job, other = submit(acme, name="waits"), submit(acme, name="other")
     data = {"pool": "onprem", "max_instances": 2}
     job_set_pending_reason(job=job, code="OFFER_QUOTA", message="The pool is at its instance cap.", data=data)
@@ -161,8 +163,8 @@ def test_a_pending_reason_is_recorded_on_that_job_only_and_logged_when_it_change
     assert (other.pending_reason_code, other.pending_reason) == ("NOT_YET_SCHEDULED",
                                                                   "Waiting for the next scheduling cycle.")
     (event,) = JobEvent.objects.filter(job=job, kind="pending_reason")
-    assert (event.reason_code, event.message, event.data) == ("OFFER_QUOTA", "The pool is at its instance cap.",
-                                                              data)
+    assert (event.reason_code, event.message, event.data) == (
+        "OFFER_QUOTA", "The pool is at its instance cap.", data)
     assert not JobEvent.objects.filter(job=other, kind="pending_reason").exists()
     # The same reason again (next cycle, new words): recorded, but no second event.
     job_set_pending_reason(job=job, code="OFFER_QUOTA", message="Still at the cap.")
@@ -174,8 +176,6 @@ def test_a_pending_reason_is_recorded_on_that_job_only_and_logged_when_it_change
 def test_a_reason_for_a_job_placed_meanwhile_is_dropped(acme):
     """The cycle planned `job` as waiting, but it was placed before the reason was written: a placed
     job says nothing about waiting, and its history gets no pending-reason event."""
-    from broker.jobs.services import job_set_pending_reason
-
     job = submit(acme)
     allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
     job_set_pending_reason(job=job, code="NO_CAPACITY", message="No node has a free GPU.")
