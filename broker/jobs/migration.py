@@ -112,7 +112,7 @@ def migration_checkpoint_committed(*, job: Job, checkpoint: Checkpoint) -> bool:
     return True
 
 
-_REQUEUE_WHY = {MigrationCause.PREEMPTION: "preempted", MigrationCause.SPOT: "its spot instance is reclaimed"}
+_REQUEUE_WHY = {MigrationCause.PREEMPTION: "Preempted", MigrationCause.SPOT: "Its spot instance is being reclaimed"}
 
 
 def _requeue(*, job: Job, migration: Migration, checkpoint: Checkpoint | None) -> bool:
@@ -125,7 +125,7 @@ def _requeue(*, job: Job, migration: Migration, checkpoint: Checkpoint | None) -
     if not _set(migration, MigrationState.CHECKPOINTING, state=MigrationState.PLACING, checkpoint=resume,
                 checkpointed_at=timezone.now(), source_stopped_at=timezone.now()):
         return False
-    why = _REQUEUE_WHY.get(migration.cause, "moved")
+    why = _REQUEUE_WHY.get(migration.cause, "Moved")
     if checkpoint is not None:
         how = f"checkpoint at step {checkpoint.step} committed; it resumes from it elsewhere"
     elif resume is not None:
@@ -135,7 +135,7 @@ def _requeue(*, job: Job, migration: Migration, checkpoint: Checkpoint | None) -
         how = "no checkpoint was committed in time and it has none: it restarts from the beginning"
     reason_code = "PREEMPTED" if migration.cause == MigrationCause.PREEMPTION else "SPOT_INTERRUPTION"
     return job_requeue(job=job, reason_code=reason_code, stop_unconfirmed=True,
-                       message=f"The job is {why}: {how}.")
+                       message=f"{why}: {how}.")
 
 
 # -- 3. the source stopped: place on the target -------------------------------------------------------

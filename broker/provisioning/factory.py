@@ -12,7 +12,7 @@ from providers.registry import build_provider
 
 # Built providers are kept per process: the local provider tracks its child processes, and the
 # cloud ones hold HTTP connection pools.
-_cache: dict[tuple[int, str], Provider] = {}
+_cache: dict[tuple[int, str, str, str, str], Provider] = {}
 
 
 def _local_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +50,10 @@ def _gcp_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def provider_for_pool(pool: Pool) -> Provider:
-    key = (pool.pk, repr(sorted(pool.provider_config.items())) + pool.credentials_ref)
+    # Everything the provider is built from: a pool's config, and the broker id and var dir it tags
+    # and keeps its books under (fixed in a deployment; tests and benches change them per run).
+    key = (pool.pk, pool.kind, repr(sorted(pool.provider_config.items())) + pool.credentials_ref,
+           settings.WHALEZEN_BROKER_ID, str(settings.VAR_DIR))
     if key in _cache:
         return _cache[key]
     config = dict(pool.provider_config or {})
