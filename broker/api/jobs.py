@@ -25,6 +25,7 @@ from broker.jobs.states import JobState
 
 
 class AllocationOutSerializer(serializers.Serializer):
+    id = serializers.IntegerField(help_text="The assignment id the node's agent and the job's log folder use.")
     node = serializers.CharField(source="node.name")
     gpus = serializers.SerializerMethodField()
     epoch = serializers.IntegerField()

@@ -305,7 +305,9 @@ class LocalProvider(Provider):
             # The metadata endpoint's socket is bound here, so its URL is in the agent's command
             # line from the start; the instance process serves on it (instance.py).
             listener = socket.create_server(("127.0.0.1", 0))
-            secret = secrets.token_urlsafe(24)
+            # Hex: a URL-safe token may begin with "-", which argparse reads as an option (the
+            # instance then failed to start about once in 64 launches).
+            secret = secrets.token_hex(24)
             metadata_url = f"http://127.0.0.1:{listener.getsockname()[1]}/{secret}"
             if _takes_metadata_url(self.command_factory):
                 command = self.command_factory(request, name, shape, metadata_url=metadata_url)
@@ -314,7 +316,7 @@ class LocalProvider(Provider):
             self._notice_path(instance_id).unlink(missing_ok=True)
             try:
                 process = processes.spawn(
-                    [self.python, str(INSTANCE_SCRIPT), "--listen-fd", str(listener.fileno()), "--secret", secret,
+                    [self.python, str(INSTANCE_SCRIPT), "--listen-fd", str(listener.fileno()), f"--secret={secret}",
                      "--notice-file", str(self._notice_path(instance_id)), "--grace", f"{self.stop_timeout_s:g}",
                      "--", *command],
                     log_path=self.state_dir / "logs" / f"{instance_id}.log",

@@ -130,3 +130,20 @@ def test_a_real_agent_tells_the_broker_about_the_notice(tmp_path: Path) -> None:
     finally:
         assert provider.terminate(info.ref).state is InstanceState.TERMINATED
         broker.stop()
+
+
+
+def test_a_secret_that_looks_like_an_option_still_starts_the_instance(make_local, tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """The secret reaches the instance process as `--secret=VALUE`: one that began with "-" (a URL-safe
+    token does, one launch in 64) made the instance die at once ("--secret: expected one argument")."""
+    from providers.local import provider as local_provider
+
+    for draw in ("token_hex", "token_urlsafe"):
+        monkeypatch.setattr(local_provider.secrets, draw, lambda n: "-" + "a" * (2 * n - 1))
+    provider = make_local()
+    request = local_request("local-1xL4", spot=True)
+    info = provider.provision(request)
+    base = metadata_url_of(tmp_path, request.node_name)
+    assert instance_action(base)[0] == 404  # the endpoint answers: the instance is up
+    assert provider.describe(info.ref).state is InstanceState.RUNNING
