@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -220,6 +221,16 @@ class Checkpointer:
         return replace(result, notice_path=notice)
 
     def _write_notice(self, result: SaveResult) -> Path | None:
+        """Tell the agent (its notice file in the work dir). A work dir the job cannot write loses the
+        notice, not the training run: the checkpoint is on storage, the broker just never hears of it."""
+        try:
+            return self._write_notice_file(result)
+        except OSError as err:
+            print(f"whalezen checkpoint: step {result.step} saved, but the agent cannot be told "
+                  f"({err}); the broker will not restore it", file=sys.stderr, flush=True)
+            return None
+
+    def _write_notice_file(self, result: SaveResult) -> Path | None:
         if self.work_dir is None or not self.work_dir.is_dir():
             return None
         path = self.work_dir / NOTICE_FILE_NAME

@@ -585,3 +585,21 @@ def test_s3_committed_checkpoint_and_its_fallback(s3_uri, job_env, tmp_path, cap
     with Checkpointer(env=env).restore(into=tmp_path / "dl") as restored:
         assert (restored.step, restored.read_bytes("model.pt")) == (1, b"m1")
     assert f"{uri}/step-000000000002" in capfd.readouterr().err
+
+
+
+def test_a_work_dir_the_job_cannot_write_loses_the_notice_not_the_run(tmp_path, capfd, monkeypatch):
+    """E.g. a work dir under a folder the job user cannot traverse: the save still succeeds and says why
+    the broker will not hear of it, instead of killing the training run."""
+    from agent.checkpoint import Checkpointer, checkpointer, verify
+
+    (tmp_path / "work").mkdir()
+    saver = Checkpointer(str(tmp_path / "ckpt"), env={"WHALEZEN_WORK_DIR": str(tmp_path / "work")})
+
+    def refused(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpointer, "write_atomic", refused)
+    result = saver.save(3, b"state")
+    assert result.notice_path is None and verify(result.uri).ok
+    assert "step 3 saved, but the agent cannot be told" in capfd.readouterr().err
