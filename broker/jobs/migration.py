@@ -25,7 +25,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from broker.jobs.models import Allocation, Checkpoint, Job, Migration, MigrationCause, MigrationState
+from broker.jobs.models import (Allocation, Checkpoint, CheckpointState, Job, Migration, MigrationCause,
+                                MigrationState)
 from broker.jobs.services import (IllegalTransition, JobError, StaleState, allocation_commit, event_append,
                                   job_allocations_release, job_requeue, job_transition)
 from broker.jobs.states import TERMINAL_STATES, JobState
@@ -188,8 +189,13 @@ def migration_job_running(*, job: Job) -> Migration | None:
     if current is None or current.pk == migration.source_allocation_id:
         return None
     now = timezone.now()
+    # What the new start was handed (restore_from): the newest checkpoint committed before it was placed,
+    # which may be newer than the one that began the move (the job went on checkpointing meanwhile).
+    restored = (Checkpoint.objects.filter(job=job, state__in=[CheckpointState.COMMITTED, CheckpointState.DELETED],
+                                          committed_at__lte=current.created_at)
+                .order_by("-step", "-id").first()) or migration.checkpoint
     if not _set(migration, MigrationState.PLACING, state=MigrationState.COMPLETED, running_at=now, finished_at=now,
-                placed_on=current.node.name):
+                placed_on=current.node.name, checkpoint=restored):
         return None
     migration.refresh_from_db()
     phases = migration_phases(migration)
