@@ -189,10 +189,11 @@ def migration_job_running(*, job: Job) -> Migration | None:
     if current is None or current.pk == migration.source_allocation_id:
         return None
     now = timezone.now()
-    # What the new start was handed (restore_from): the newest checkpoint committed before it was placed,
-    # which may be newer than the one that began the move (the job went on checkpointing meanwhile).
+    # What the new start was handed (restore_from, the newest committed checkpoint when its node asked):
+    # the newest one an earlier run wrote, which may be newer than the one that began the move (the
+    # source went on checkpointing until it stopped).
     restored = (Checkpoint.objects.filter(job=job, state__in=[CheckpointState.COMMITTED, CheckpointState.DELETED],
-                                          committed_at__lte=current.created_at)
+                                          committed_at__lte=now).exclude(allocation=current)
                 .order_by("-step", "-id").first()) or migration.checkpoint
     if not _set(migration, MigrationState.PLACING, state=MigrationState.COMPLETED, running_at=now, finished_at=now,
                 placed_on=current.node.name, checkpoint=restored):

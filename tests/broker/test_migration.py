@@ -188,3 +188,20 @@ def test_a_job_that_finishes_while_being_stopped_succeeds_and_the_move_is_closed
     assert job.state == JobState.SUCCEEDED
     migrations_sweep()
     assert Migration.objects.get(job=job).state == MigrationState.ABANDONED
+
+
+def test_the_move_records_the_newest_checkpoint_the_target_was_handed(acme, registered, second, root,
+                                                                       verify_queue):
+    """The source goes on checkpointing until it stops: the target gets (and the move reports) the
+    newest committed checkpoint, not only the one that began the move."""
+    (source, source_token), (_, target_token) = registered, second
+    job, allocation = running_job(acme, source, root)
+    acme.client.post(f"/api/v1/jobs/{job.pk}/migrate/", {"node": "gpu-node-2"}, format="json")
+    commit_checkpoint(source_token, allocation, root, job, 60, only_assignment(source_token)["checkpoint_request_id"])
+    commit_checkpoint(source_token, allocation, root, job, 80)  # a periodic save before the stop landed
+    status(source_token, allocation.pk, allocation.epoch, "stopped", reason="withdrawn")
+    start = only_assignment(target_token)
+    assert start["restore_from"].endswith("step-000000000080")
+    status(target_token, start["id"], start["epoch"], "running", pid=7)
+    (move,) = acme.client.get(f"/api/v1/jobs/{job.pk}/migrations/").json()["results"]
+    assert move["restored_step"] == 80
