@@ -89,7 +89,7 @@ def stubbed(stub_region: str = REGION, **kwargs: Any) -> tuple[AwsProvider, Stub
     client, stub = ec2_stub(stub_region)
     kwargs.setdefault("image_ids", {REGION: AMI})
     provider = AwsProvider(broker_id=kwargs.pop("broker_id", "wz-b"), regions=kwargs.pop("regions", [REGION]),
-                           client_factory=lambda region: client, **kwargs)
+                           client_factory={stub_region: client}.__getitem__, **kwargs)  # a call's region decides
     return provider, stub
 
 
@@ -409,3 +409,15 @@ def test_instance_type_facts_are_asked_a_hundred_types_at_a_time() -> None:
 def test_gpu_facts_override_the_catalog_only_where_ec2_knows(facts: dict | None, changes: dict) -> None:
     base = offer("g5.12xlarge")
     assert AwsProvider._with_facts(base, facts) == dataclasses.replace(base, **changes)
+
+
+def test_each_region_gets_its_own_client_from_the_configured_session_and_endpoint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "ap-south-1")
+    session = boto3.session.Session(aws_access_key_id="AKIAWZTEST", aws_secret_access_key="secret")
+    aws = AwsProvider(broker_id="wz-b", regions=["eu-west-1", "us-west-2"], session=session,
+                      endpoint_url="http://127.0.0.1:9")
+    west = aws.client("us-west-2")
+    assert aws.client("us-west-2") is west and aws.client("eu-west-1") is not west
+    assert (west.meta.region_name, west.meta.endpoint_url) == ("us-west-2", "http://127.0.0.1:9")
+    assert west._request_signer._credentials.access_key == "AKIAWZTEST"  # the session's keys, not the env's
