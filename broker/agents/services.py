@@ -275,7 +275,7 @@ def node_give_up(*, node: Node, reason: str) -> bool:
                                          "once the provider confirms the instance terminated (at most "
                                          f"{fence_wait_seconds()} s).")
     if revoked:
-        log.warning("node %s retired for good: %s; its node token is revoked", node.name, reason)
+        log.warning("node %s retired for good: %s; its node token is revoked", node.name, reason)  # pragma: no mutate
     return revoked
 
 
@@ -307,7 +307,7 @@ def node_confirm_powered_off(*, node: Node, by: AbstractBaseUser) -> list[int]:
                          message=f"{by} confirmed that node {node.name} is powered off: the job's copy there counts "
                                  "as stopped and it may start elsewhere at once.",
                          data={"node": node.name, "by": str(by)})
-    log.warning("%s confirmed node %s powered off; %d job(s) no longer wait for it", by, node.name, len(jobs))
+    log.warning("%s confirmed node %s powered off; %d job(s) no longer wait for it", by, node.name, len(jobs))  # pragma: no mutate
     return sorted(jobs)
 
 
@@ -349,7 +349,7 @@ def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
 
         node_interruption_notice(node=node, notice=data["interruption"])
     if came_back:
-        log.warning("node %s is back after being marked LOST", node.name)
+        log.warning("node %s is back after being marked LOST", node.name)  # pragma: no mutate
     epoch = Node.objects.filter(pk=node.pk).values_list("epoch", flat=True).get()
     return {"epoch": epoch, "lost": came_back, "heartbeat_seconds": heartbeat_seconds()}
 
@@ -501,7 +501,7 @@ def nodes_mark_lost(*, now: datetime | None = None) -> list[Node]:
             message=f"Node {node.name} sent no heartbeat for {silent} s (limit {limit} s); the job restarts "
                     "elsewhere from its last committed checkpoint, once its copy there is confirmed stopped "
                     f"(at most {fence_wait_seconds()} s).")
-        log.warning("node %s marked LOST after %d s of silence; %d job(s) requeued", node.name, silent, len(requeued))
+        log.warning("node %s marked LOST after %d s of silence; %d job(s) requeued", node.name, silent, len(requeued))  # pragma: no mutate
         node.refresh_from_db()
         lost.append(node)
     return lost
