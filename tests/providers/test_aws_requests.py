@@ -421,3 +421,33 @@ def test_each_region_gets_its_own_client_from_the_configured_session_and_endpoin
     assert aws.client("us-west-2") is west and aws.client("eu-west-1") is not west
     assert (west.meta.region_name, west.meta.endpoint_url) == ("us-west-2", "http://127.0.0.1:9")
     assert west._request_signer._credentials.access_key == "AKIAWZTEST"  # the session's keys, not the env's
+
+
+def test_zone_ids_and_root_devices_are_remembered_each_for_its_own() -> None:
+    aws, stub = stubbed()
+    for zone_id, name in (("use1-az2", "us-east-1b"), ("use1-az4", "us-east-1d")):
+        stub.add_response("describe_availability_zones", {"AvailabilityZones": [{"ZoneName": name, "ZoneId": zone_id}]},
+                          {"ZoneIds": [zone_id]})
+    assert [aws.zone_name(REGION, z) for z in ("use1-az2", "use1-az4", "use1-az2")] == [
+        "us-east-1b", "us-east-1d", "us-east-1b"]
+    root_device_answer(stub, "/dev/xvda", image="ami-0a")
+    root_device_answer(stub, "/dev/nvme0n1", image="ami-0b")
+    assert [aws._root_device(REGION, i) for i in ("ami-0a", "ami-0b", "ami-0a")] == [
+        "/dev/xvda", "/dev/nvme0n1", "/dev/xvda"]
+    stub.assert_no_pending_responses()
+
+
+def test_offers_of_every_region_each_with_facts_from_its_own_region() -> None:
+    catalog = [offer("g5.12xlarge"), offer("g5.12xlarge", region="us-west-2", zone="usw2-az1")]
+    clients: dict[str, Any] = {}
+    stubs: dict[str, Stubber] = {}
+    for region in (REGION, "us-west-2"):
+        clients[region], stubs[region] = ec2_stub(region)
+        stubs[region].add_response("describe_instance_types", {"InstanceTypes": [G5_FACTS]},
+                                   {"Filters": [{"Name": "instance-type", "Values": ["g5.12xlarge"]}]})
+    aws = AwsProvider(broker_id="wz-b", regions=[REGION, "us-west-2"], offers=catalog,
+                      client_factory=clients.__getitem__)
+    facts = {"gpu_count": 4, "gpu_memory_mib": 24576, "vcpus": 48.0, "memory_gib": 192.0}
+    assert aws.list_offers() == [dataclasses.replace(o, **facts) for o in catalog]
+    for stub in stubs.values():
+        stub.assert_no_pending_responses()
