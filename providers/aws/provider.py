@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Callable, Mapping, Sequence
 
 import boto3
@@ -36,6 +36,8 @@ from providers.base import (
 from providers.bootstrap import DEFAULT_AGENT_INSTALL, agent_boot_script
 
 log = logging.getLogger(__name__)
+# Sorts before every launch time EC2 reports (aware, UTC): an instance without one comes first.
+_NEVER = datetime.min.replace(tzinfo=timezone.utc)
 
 # Deep Learning Base AMI with NVIDIA driver, published by AWS through public SSM parameters.
 DEFAULT_AMI_SSM_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
@@ -249,7 +251,7 @@ class AwsProvider(Provider):
         existing = self.find_by_request_key(request.region, request.request_key)
         if existing:
             # Same key, same instance: whatever its state, as EC2 itself does for a ClientToken.
-            existing.sort(key=lambda i: (i.state is not InstanceState.TERMINATED, i.launched_at or datetime.min))
+            existing.sort(key=lambda i: (i.state is not InstanceState.TERMINATED, i.launched_at or _NEVER))
             log.info("aws: request %s already launched as %s", request.request_key, existing[-1].ref.instance_id)  # pragma: no mutate
             return existing[-1]
         response = self._call(request.region, "run_instances", **self.run_instances_params(request))

@@ -276,8 +276,6 @@ def test_a_key_already_launched_returns_its_live_instance_first_then_the_newest(
     stub.assert_no_pending_responses()
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="latent: provision sorts on `launched_at or datetime.min`, "
-                   "a naive datetime, next to EC2's aware LaunchTime; EC2 always sends LaunchTime")
 def test_a_key_launched_twice_one_without_a_launch_time() -> None:
     aws, stub = stubbed()
     req = make_request(provider="aws", instance_type="g5.xlarge", zone="", region=REGION)
