@@ -84,7 +84,7 @@ def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path, monke
         "--name", request.node_name, "--join-token", "-", "--state-dir", f"/agent-state/{request.node_name}",
         "--spot-notice", "local", "--metadata-url"]
     # Its own metadata endpoint: loopback only, under a path nobody can guess.
-    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/[A-Za-z0-9_-]{32}", started["argv"][-1])
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/[0-9a-f]{48}", started["argv"][-1])
     # On stdin: neither `ps` (argv) nor /proc/<pid>/environ, which a job could read, holds it.
     assert started["stdin"] == "join-secret-123\n"
     assert started["env_token"] is None
