@@ -20,36 +20,12 @@ from agent import checkpoint
 from agent.checkpoint import Checkpointer, UnsafeName, list_checkpoints, prune, restore_from, verify
 from agent.checkpoint.manifest import MANIFEST_NAME, check_name, step_dir_name
 from agent.jobs import CHECKPOINT_REQUEST_FILE
+from tests.providers.conftest import moto_endpoint  # noqa: F401 (fixture: one moto server, a bucket per test)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    """One moto server for the file (pattern of tests/providers/conftest.py; a bucket per test isolates)."""
-    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
-             "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_SESSION_TOKEN="testing", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent")
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture
