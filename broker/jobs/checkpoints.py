@@ -289,9 +289,16 @@ def checkpoints_sweep(*, now: datetime | None = None) -> SweepOutcome:
     from broker.jobs.models import Migration
 
     moving = set(Migration.objects.filter(state__in=Migration.OPEN_STATES).values_list("job_id", flat=True))
-    for job in Job.objects.filter(state=JobState.CHECKPOINTING).exclude(pk__in=moving):
-        # A job being moved has its own deadline (broker.jobs.migration.migrations_sweep).
+    for job in Job.objects.filter(state=JobState.CHECKPOINTING):
+        # A checkpoint committed after the request that nothing acted on (the process that verified it
+        # died before it could): act on it now.
+        answer = committed_checkpoint(job)
         entered = _checkpointing_since(job) or job.updated_at
+        if answer is not None and answer.created_at >= entered:
+            _answer_request(job=job, checkpoint=answer)
+            continue
+        if job.pk in moving:
+            continue  # a job being moved has its own deadline (broker.jobs.migration.migrations_sweep)
         if now - entered < timeout:
             continue
         try:

@@ -123,9 +123,6 @@ def _requeue(*, job: Job, migration: Migration, checkpoint: Checkpoint | None) -
     from broker.jobs.checkpoints import committed_checkpoint
 
     resume = checkpoint or committed_checkpoint(job)
-    if not _set(migration, MigrationState.CHECKPOINTING, state=MigrationState.PLACING, checkpoint=resume,
-                checkpointed_at=timezone.now(), source_stopped_at=timezone.now()):
-        return False
     why = _REQUEUE_WHY.get(migration.cause, "Moved")
     if checkpoint is not None:
         how = f"checkpoint at step {checkpoint.step} committed; it resumes from it elsewhere"
@@ -135,8 +132,16 @@ def _requeue(*, job: Job, migration: Migration, checkpoint: Checkpoint | None) -
     else:
         how = "no checkpoint was committed in time and it has none: it restarts from the beginning"
     reason_code = "PREEMPTED" if migration.cause == MigrationCause.PREEMPTION else "SPOT_INTERRUPTION"
-    return job_requeue(job=job, reason_code=reason_code, stop_unconfirmed=True,
-                       message=f"{why}: {how}.")
+    # One transaction: a process killed in between leaves neither a move that thinks the job was
+    # requeued nor a requeued job whose move still waits for a checkpoint.
+    with transaction.atomic():
+        if not _set(migration, MigrationState.CHECKPOINTING, state=MigrationState.PLACING, checkpoint=resume,
+                    checkpointed_at=timezone.now(), source_stopped_at=timezone.now()):
+            return False
+        if not job_requeue(job=job, reason_code=reason_code, stop_unconfirmed=True, message=f"{why}: {how}."):
+            transaction.set_rollback(True)
+            return False
+    return True
 
 
 # -- 3. the source stopped: place on the target -------------------------------------------------------
@@ -240,7 +245,7 @@ def migrations_sweep(*, now: datetime | None = None) -> dict[str, list[int]]:
     requeues anyway), requeue moves whose source never confirmed its stop (fenced), close moves whose
     job ended."""
     now = now or timezone.now()
-    fenced, abandoned, late = [], [], []
+    fenced, abandoned, late, redriven = [], [], [], []
     for migration in Migration.objects.filter(state__in=Migration.OPEN_STATES).select_related("job"):
         job = migration.job
         if job.state in TERMINAL_STATES:
@@ -256,6 +261,12 @@ def migrations_sweep(*, now: datetime | None = None) -> dict[str, list[int]]:
             else:
                 _call_off_late(job=job, migration=migration)
             continue
+        if migration.state == MigrationState.PLACING and job.state == JobState.MIGRATING:
+            # The source's stop was recorded but the placement never happened (the process handling
+            # it died in between): place it now.
+            _place(job=job, migration=migration, leaving_node_id=_source_node_id(migration))
+            redriven.append(migration.pk)
+            continue
         if (migration.state == MigrationState.STOPPING and migration.checkpointed_at is not None
                 and now - migration.checkpointed_at > timedelta(seconds=stop_timeout_seconds())):
             if not _set(migration, MigrationState.STOPPING, state=MigrationState.PLACING):
@@ -265,7 +276,12 @@ def migrations_sweep(*, now: datetime | None = None) -> dict[str, list[int]]:
                                 f"{stop_timeout_seconds():.0f} s; the job starts elsewhere once its copy "
                                 "there is confirmed stopped or fenced.")
             fenced.append(migration.pk)
-    return {"fenced": fenced, "abandoned": abandoned, "late": late}
+    return {"fenced": fenced, "abandoned": abandoned, "late": late, "redriven": redriven}
+
+
+def _source_node_id(migration: Migration) -> int | None:
+    return (Allocation.objects.filter(pk=migration.source_allocation_id).values_list("node_id", flat=True).first()
+            if migration.source_allocation_id else None)
 
 
 def _call_off_late(*, job: Job, migration: Migration) -> None:
