@@ -449,3 +449,21 @@ def test_offers_of_every_region_each_with_facts_from_its_own_region() -> None:
     assert aws.list_offers() == [dataclasses.replace(o, **facts) for o in catalog]
     for stub in stubs.values():
         stub.assert_no_pending_responses()
+
+
+def test_instance_type_facts_that_cannot_be_reached_are_a_transient_error_naming_why() -> None:
+    """EC2 not answering (a transport error, not an API error) while fetching GPU facts: the caller gets
+    a TRANSIENT ProviderError named after the failure, so the offer refresh retries later."""
+    from botocore.exceptions import EndpointConnectionError
+
+    aws, stub = stubbed()
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise EndpointConnectionError(endpoint_url="https://ec2.us-east-1.amazonaws.com")
+
+    paginator = aws.client(REGION).get_paginator("describe_instance_types")
+    paginator.paginate = unreachable  # type: ignore[method-assign]
+    aws.client(REGION).get_paginator = lambda name: paginator  # type: ignore[method-assign]
+    with pytest.raises(ProviderError) as caught:
+        aws.instance_type_facts(REGION, ["p5.48xlarge"])
+    assert caught.value.kind is ErrorKind.TRANSIENT and caught.value.code == "EndpointConnectionError"
