@@ -61,7 +61,7 @@ def node_interruption_notice(*, node: Node, notice: dict[str, Any]) -> list[int]
                      message=f"{node.name}: the cloud takes this spot instance back at {_when(notice['deadline'])} "
                              f"(in {left:.0f} s, {notice['action']}).",
                      data={"node": node.name, **notice})
-        has_checkpoints = bool(((job.spec or {}).get("checkpoint") or {}).get("uri"))
+        has_checkpoints = bool(job.checkpoint_uri)
         try:
             if has_checkpoints and job.state in (JobState.RUNNING, JobState.CHECKPOINTING):
                 # The checkpoint must be committed before the instance dies; a margin for the stop.

@@ -82,10 +82,10 @@ def _assignment(allocation: Allocation, gpus: dict[int, str]) -> dict[str, Any]:
         "gpu_milli": job.gpu_milli if 0 < job.gpu_milli <= 1000 else 1000,
         "command": spec.get("command"),
         "env": spec.get("env") or {},
-        "checkpoint_uri": (spec.get("checkpoint") or {}).get("uri"),
+        "checkpoint_uri": job.checkpoint_uri or None,
         "checkpoint_request_id": _checkpoint_request_id(job) if action == "checkpoint" else None,
         # What a (re)start resumes from: the newest committed checkpoint, "" for none (start afresh).
-        **({"restore_from": _restore_from(job)} if spec.get("checkpoint") else {}),
+        **({"restore_from": _restore_from(job)} if job.checkpoint_uri else {}),
     }
 
 

@@ -69,7 +69,7 @@ def checkpoint_dir_of(job: Job, reported_uri: str) -> str:
     """The reported checkpoint directory, if it is a `step-N` directory right under the job's own
     `checkpoint.uri`; anything else is refused, so a node cannot make the broker read (or later
     delete) a path the job's owner never named."""
-    base = ((job.spec or {}).get("checkpoint") or {}).get("uri")
+    base = job.checkpoint_uri
     if not base:
         raise CheckpointRefused("This job has no checkpoint.uri in its spec.")
     if not reported_uri or "\x00" in reported_uri or ".." in reported_uri.split("/"):
@@ -262,7 +262,7 @@ def committed_checkpoint(job: Job) -> Checkpoint | None:
 # -- requests ---------------------------------------------------------------------------------------
 def checkpoint_request(*, job: Job, reason_code: str, message: str) -> Job:
     """Ask the running job for a checkpoint now (RUNNING -> CHECKPOINTING); the agent delivers it."""
-    if not ((job.spec or {}).get("checkpoint") or {}).get("uri"):
+    if not job.checkpoint_uri:
         # 409, not 400: nothing in the request is wrong; the job (its spec) cannot do this.
         raise JobError("This job has no checkpoint.uri in its spec, so it cannot checkpoint.", field="checkpoint",
                        code="conflict")

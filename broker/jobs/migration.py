@@ -60,7 +60,7 @@ def migration_request(*, job: Job, cause: str = MigrationCause.REQUESTED, target
     from broker.scheduler.moves import MoveTarget, move_plan
 
     requeue = cause in Migration.REQUEUE_CAUSES
-    if not ((job.spec or {}).get("checkpoint") or {}).get("uri"):
+    if not job.checkpoint_uri:
         raise JobError("This job has no checkpoint.uri in its spec, so it cannot be moved by checkpoint.",
                        field="checkpoint", code="conflict")
     if open_migration(job) is not None:

@@ -69,6 +69,11 @@ class Job(models.Model):
     def __str__(self) -> str:
         return f"job {self.pk} {self.name} ({self.state})"
 
+    @property
+    def checkpoint_uri(self) -> str:
+        """Where the job writes checkpoints (`checkpoint.uri` of its spec), or "" for a job without."""
+        return ((self.spec or {}).get("checkpoint") or {}).get("uri") or ""
+
 
 class JobEvent(models.Model):
     """Append-only log of what happened to a job."""

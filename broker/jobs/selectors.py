@@ -1,16 +1,38 @@
 """Reads for jobs and the GPU catalogue."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import QuerySet, Sum
+from django.db.models import Count, QuerySet, Sum
 
 from broker.inventory.models import GpuModel
 from broker.jobs.models import AllocationSlice, Job
 from broker.jobs.spec import GpuCatalog
 from broker.jobs.states import ACTIVE_STATES, JobState
 from broker.tenancy.models import Tenant
+
+
+@dataclass(frozen=True)
+class HeldShare:
+    """What active allocation slots hold: `slots` (Gpu.SLOTS per whole GPU) and `cu_slots`, the slots
+    weighted by their GPU model's compute units (divide either by Gpu.SLOTS for GPUs or CU)."""
+
+    slots: int
+    cu_slots: Decimal
+
+
+def held_share(**filters: Any) -> HeldShare:
+    """The share held by the active slots matching `filters` (e.g. `allocation__job=job`)."""
+    usage = AllocationSlice.objects.filter(active=True, **filters).aggregate(
+        slots=Count("id"), cu=Sum("gpu__model__compute_units"))
+    return HeldShare(slots=usage["slots"] or 0, cu_slots=usage["cu"] or Decimal(0))
+
+
+def tenant_held_share(*, tenant_id: int) -> HeldShare:
+    """What a tenant's placed and running jobs hold: what its GPU and CU quotas count."""
+    return held_share(allocation__job__tenant_id=tenant_id, allocation__job__state__in=ACTIVE_STATES)
 
 
 def gpu_catalog() -> GpuCatalog:

@@ -11,13 +11,14 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
-from django.db.models import Count, F, Sum
+from django.db.models import F
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
+from broker.jobs.selectors import tenant_held_share
 from broker.jobs.spec import Demand, spec_to_json
-from broker.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, is_legal
+from broker.jobs.states import TERMINAL_STATES, JobState, is_legal
 from broker.tenancy.models import Quota, Tenant
 
 
@@ -244,15 +245,13 @@ def _check_quota(*, job: Job, adding: list[tuple[Gpu, int]]) -> None:
     quota = Quota.objects.filter(tenant_id=job.tenant_id).first()
     if quota is None or not (quota.max_gpus or quota.max_compute_units):
         return
-    held = AllocationSlice.objects.filter(active=True, allocation__job__tenant_id=job.tenant_id,
-                                          allocation__job__state__in=ACTIVE_STATES)
-    usage = held.aggregate(slots=Count("id"), cu=Sum("gpu__model__compute_units"))
-    in_use_slots, adding_slots = usage["slots"] or 0, sum(slots for _, slots in adding)
+    held = tenant_held_share(tenant_id=job.tenant_id)
+    in_use_slots, adding_slots = held.slots, sum(slots for _, slots in adding)
     if quota.max_gpus and in_use_slots + adding_slots > quota.max_gpus * Gpu.SLOTS:
         raise JobError(f"GPU quota exceeded: {_gpus(in_use_slots)} in use + {_gpus(adding_slots)} "
                        f"> {quota.max_gpus}.", field="resources", code="quota")
     if quota.max_compute_units:
-        in_use_cu = (usage["cu"] or Decimal(0)) / Gpu.SLOTS
+        in_use_cu = held.cu_slots / Gpu.SLOTS
         adding_cu = sum((gpu.model.compute_units if gpu.model else Decimal(0)) * slots
                         for gpu, slots in adding) / Gpu.SLOTS
         if in_use_cu + adding_cu > quota.max_compute_units:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from django.db.models import Count, Sum
-
 from broker.inventory.models import Gpu, Node
-from broker.jobs.models import AllocationSlice, Job
+from broker.jobs.models import Job
+from broker.jobs.selectors import held_share
 from broker.jobs.services import GpuRequest
 from broker.scheduler.snapshot import job_demand, tenant_snapshot
 from scheduling import model as sm
@@ -39,11 +38,10 @@ class MovePlan:
 
 def _without_own_share(budget: sm.TenantBudget, job: Job) -> sm.TenantBudget:
     """The tenant's usage without what the job itself holds: a move swaps its GPUs, it adds none."""
-    held = AllocationSlice.objects.filter(active=True, allocation__job=job).aggregate(
-        slots=Count("id"), cu=Sum("gpu__model__compute_units"))
+    held = held_share(allocation__job=job)
     return dataclasses.replace(
-        budget, gpus_in_use=max(0.0, budget.gpus_in_use - (held["slots"] or 0) / Gpu.SLOTS),
-        cu_in_use=max(0.0, budget.cu_in_use - float(held["cu"] or 0) / Gpu.SLOTS))
+        budget, gpus_in_use=max(0.0, budget.gpus_in_use - held.slots / Gpu.SLOTS),
+        cu_in_use=max(0.0, budget.cu_in_use - float(held.cu_slots) / Gpu.SLOTS))
 
 
 def move_plan(*, job: Job, target: MoveTarget, leaving_node_id: int | None) -> MovePlan:

@@ -139,7 +139,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
             continue
         if open_migration(victim) is not None:
             continue  # already being checkpointed for a move or an earlier preemption
-        if victim.state == JobState.RUNNING and (victim.spec or {}).get("checkpoint", {}).get("uri"):
+        if victim.state == JobState.RUNNING and victim.checkpoint_uri:
             # Ask it to checkpoint first; it is requeued once that is committed, or at the grace's end.
             grace = preemption_grace_seconds()
             try:

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime
 
-from django.db.models import Count, Prefetch, Sum
+from django.db.models import Prefetch
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, GpuModel, Node, NodeState, PoolKind
 from broker.jobs.models import Allocation, AllocationSlice, Checkpoint, CheckpointState, Job
+from broker.jobs.selectors import tenant_held_share
 from broker.jobs.states import ACTIVE_STATES, JobState
 from broker.scheduler.spend import month_to_date_spend
 from broker.tenancy.models import Quota, Tenant
@@ -137,10 +138,8 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
 
 def tenant_budget(*, tenant: Tenant, now: datetime) -> sm.TenantBudget:
     quota = Quota.objects.filter(tenant=tenant).first()
-    held = AllocationSlice.objects.filter(active=True, allocation__job__tenant=tenant,
-                                          allocation__job__state__in=ACTIVE_STATES)
-    usage = held.aggregate(slots=Count("id"), cu=Sum("gpu__model__compute_units"))
-    slots, cu_slots = usage["slots"] or 0, float(usage["cu"] or 0)
+    held = tenant_held_share(tenant_id=tenant.pk)
+    slots, cu_slots = held.slots, float(held.cu_slots)
     remaining = None
     if quota is not None and quota.monthly_budget_usd is not None:
         remaining = max(0.0, float(quota.monthly_budget_usd) - month_to_date_spend(tenant=tenant, now=now))
