@@ -8,7 +8,7 @@ from django.db import transaction
 
 from broker.agents.fencing import unconfirmed_copies
 from broker.inventory.models import Node
-from broker.jobs.models import Allocation, AllocationSlice, JobEvent
+from broker.jobs.models import Allocation, AllocationSlice
 from broker.jobs.states import JobState
 from broker.tenancy import tokens
 
@@ -98,6 +98,7 @@ def _restore_from(job) -> str:
 
 def _checkpoint_request_id(job) -> str:
     """One id per entry into CHECKPOINTING, so the agent delivers each request exactly once."""
-    event = (JobEvent.objects.filter(job=job, kind="state", data__to=JobState.CHECKPOINTING)
-             .order_by("-id").values_list("id", flat=True).first())
-    return f"job{job.pk}-ev{event or 0}"
+    from broker.jobs.checkpoints import checkpoint_request_event
+
+    event = checkpoint_request_event(job)
+    return f"job{job.pk}-ev{event.pk if event is not None else 0}"

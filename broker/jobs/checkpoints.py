@@ -225,9 +225,15 @@ def _answer_request(*, job: Job, checkpoint: Checkpoint) -> None:
         pass  # someone else moved the job first (cancelled, node lost): they win
 
 
+def checkpoint_request_event(job: Job) -> JobEvent | None:
+    """The job's latest entry into CHECKPOINTING: its id names the request the agent delivers, its
+    time says which checkpoints answer it."""
+    return JobEvent.objects.filter(job=job, kind="state", data__to=JobState.CHECKPOINTING).order_by("-id").first()
+
+
 def _checkpointing_since(job: Job) -> datetime | None:
-    return (JobEvent.objects.filter(job=job, kind="state", data__to=JobState.CHECKPOINTING)
-            .order_by("-id").values_list("created_at", flat=True).first())
+    event = checkpoint_request_event(job)
+    return event.created_at if event is not None else None
 
 
 def checkpoints_prune(*, job: Job, keep: int = KEEP_COMMITTED) -> list[int]:
