@@ -126,9 +126,12 @@ def test_node_is_marked_lost_after_missed_heartbeats_and_its_job_fenced(live_ser
     pump(agent, clock, lambda: job_state(job) == JobState.RUNNING, what="job to run")
     pid = agent.runner.running[str(allocation.pk)].pid
 
-    # The agent goes quiet (partitioned); the sweep runs after the limit.
-    assert nodes_mark_lost(now=timezone.now() + timedelta(seconds=lost_after_seconds() - 1)) == []
-    (lost,) = nodes_mark_lost(now=timezone.now() + timedelta(seconds=lost_after_seconds() + 1))
+    # The agent goes quiet (partitioned); the sweep runs after the limit, counted from the last
+    # heartbeat the broker recorded (not from now: a loaded machine may be seconds past it).
+    node.refresh_from_db()
+    heard_at = node.last_heartbeat_at
+    assert nodes_mark_lost(now=heard_at + timedelta(seconds=lost_after_seconds() - 1)) == []
+    (lost,) = nodes_mark_lost(now=heard_at + timedelta(seconds=lost_after_seconds() + 1))
     assert lost.pk == node.pk and lost.state == NodeState.LOST
     assert job_state(job) == JobState.PENDING and job.pending_reason_code == "NODE_LOST"
 
