@@ -13,7 +13,8 @@ nodes billed at ``--onprem-rate`` per GPU-hour used, plus the offers of ``catalo
 launched as spot; the cloud takes a spot instance back after an exponential time with mean
 ``--spot-mtti-h`` hours, and its jobs restart from their last checkpoint).  Policies:
 
-* ``whalezen``: the core engine (``scheduling.engine.schedule``) every cycle; it may place jobs on
+* ``whalezen``: the core engine (``scheduling.engine.schedule``) under the broker's move and cycle rules
+  (``scheduling.moves``, at the broker's default settings); it may place jobs on
   free GPUs of instances it already rents, and keeps an empty instance ``--idle-release-s`` for
   reuse before releasing it;
 * ``greedy-cheapest``: per job in arrival order, the cheapest hourly option that can start now
@@ -107,9 +108,12 @@ def make_policy(name: str, idle_release_s: float):
     if name == "onprem-fifo":
         return OnPremFifo()
     if name == "whalezen":
+        from scheduling.moves import MoveRules, move_policy
         from scheduling.sim.engine_policy import EnginePolicy
 
-        return EnginePolicy(idle_release_s=idle_release_s)
+        # The broker's rules for moves and cycles (broker.scheduler.services.BROKER_POLICY at its defaults).
+        rules = MoveRules()
+        return EnginePolicy(policy=move_policy(rules), rules=rules, idle_release_s=idle_release_s)
     raise ValueError(f"unknown policy {name!r}")
 
 

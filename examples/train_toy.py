@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             request = ckpt.requested()
             state = json.dumps({"model": model, "step": step}).encode()
             result = ckpt.save(step, {"model.json": state}, extra={"loss": loss})
-            ckpt.prune(keep=2)
+            ckpt.prune(keep=2)  # does nothing under WhaleZen: the broker prunes what it committed
             why = f"request {request.request_id}" if request and request.request_id else (
                 "signal" if request else "interval or last step")
             print(f"checkpoint step {step} ({why}) -> {result.uri}", flush=True)

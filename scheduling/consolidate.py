@@ -13,7 +13,8 @@ preemptions and defragmentation, the least utilised instances are tried first:
 - it pays: the instance's price until its longest job would end exceeds what the moved jobs cost
   to finish where they land (at that node's speed; owned nodes at their rate, other instances
   nothing) by more than the restart time of every moved job at the instance's price per GPU;
-- at most `Policy.max_consolidation_moves` moves per cycle.
+- at most `budget` moves per cycle (the engine passes `Policy.max_consolidation_moves`, less the
+  defragmentation moves already planned, within `Policy.max_moves_per_cycle`).
 
 The emptied instance is then idle: releasing idle instances is the provisioner's job.
 """
@@ -33,10 +34,11 @@ from scheduling.whatif import can_move, fits_on, running_by_node
 NOT_FOR_MOVES = frozenset({"tenant_quota", "tenant_budget", "offer_quota"})
 
 
-def plan_consolidation(problem: Problem, book: Book, busy: set[str]) -> tuple[Migration, ...]:
-    """Migrations that empty rented instances; `busy`: jobs this plan already stops or moves."""
+def plan_consolidation(problem: Problem, book: Book, busy: set[str], budget: int) -> tuple[Migration, ...]:
+    """At most `budget` migrations that empty rented instances; `busy`: jobs this plan already stops
+    or moves."""
     policy = problem.policy
-    if not policy.consolidation or policy.max_consolidation_moves <= 0:
+    if not policy.consolidation or budget <= 0:
         return ()
     by_node = running_by_node(problem)
     rented = [p for p, cap in enumerate(problem.capacities)
@@ -49,7 +51,7 @@ def plan_consolidation(problem: Problem, book: Book, busy: set[str]) -> tuple[Mi
     plan: list[Migration] = []
     for source in rented:
         allocations = by_node[source]
-        if len(plan) + len(allocations) > policy.max_consolidation_moves:
+        if len(plan) + len(allocations) > budget:
             continue
         remaining = [_remaining_s(problem, source, a) for a in allocations]
         if any(not can_move(a, policy) or a.job_id in busy for a in allocations) \

@@ -68,7 +68,9 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
 
     if policy.consolidation and snapshot.running:
         busy = {p.victim_job_id for p in preemptions} | {m.job_id for m in migrations}
-        migrations += plan_consolidation(problem, book, busy)
+        # One budget for every move of the cycle: consolidation gets what defragmentation left.
+        budget = min(policy.max_consolidation_moves, policy.max_moves_per_cycle - len(migrations))
+        migrations += plan_consolidation(problem, book, busy, budget)
 
     book.compact_instances()
     placements = tuple(book.placements[j.job_id] for j in sorted(snapshot.pending, key=lambda j: j.job_id)

@@ -23,7 +23,6 @@ from agent.checkpoint.checkpoints import (
     CheckpointInfo,
     PruneResult,
     Restored,
-    committed_step,
     list_checkpoints,
     prune,
     restore_committed,
@@ -292,11 +291,22 @@ class Checkpointer:
     def list(self) -> list[CheckpointInfo]:
         return list_checkpoints(self.storage)
 
+    @property
+    def broker_prunes(self) -> bool:
+        """Whether a WhaleZen broker manages this job's checkpoints (its agent said what to restore,
+        "" included): it deletes old ones itself, once two newer ones are committed."""
+        return self.restore_from_uri is not None
+
     def prune(self, keep: int = 2) -> PruneResult:
-        """prune() that also never deletes the checkpoint the broker committed (it is what a
-        restart of this job will be told to restore, even when newer ones verify)."""
-        step = committed_step(self.restore_from_uri) if self.restore_from_uri else None
-        return prune(self.storage, keep=keep, protect=() if step is None else (step,))
+        """Outside WhaleZen, prune(): keep the newest `keep` that verify. Under a broker that
+        manages the checkpoints, nothing: the job cannot know which of its checkpoints the broker
+        has committed yet (it verifies each after the write, and may lag behind), and deleting one
+        it did commit would leave a restart nothing to restore."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError("keep must be at least 1: prune never deletes the newest verified checkpoint")
+        if self.broker_prunes:
+            return PruneResult(kept=(), deleted=())
+        return prune(self.storage, keep=keep)
 
 
 def _sources(

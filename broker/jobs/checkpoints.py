@@ -169,6 +169,11 @@ def checkpoint_verify(*, checkpoint_id: int) -> Checkpoint | None:
     job = checkpoint.job
     with transaction.atomic():
         now = timezone.now()
+        if verified.ok and _superseded(checkpoint):
+            verified = Verified(ok=False, manifest={}, size_bytes=None, problems=(
+                "written by a run the job has since left (it was moved or restarted before this checkpoint "
+                "was verified): its new run resumes from an earlier committed checkpoint and writes these "
+                "steps again",))
         if verified.ok:
             changed = Checkpoint.objects.filter(pk=checkpoint.pk, state=CheckpointState.PENDING).update(
                 state=CheckpointState.COMMITTED, committed_at=now, manifest=verified.manifest,
@@ -193,6 +198,16 @@ def checkpoint_verify(*, checkpoint_id: int) -> Checkpoint | None:
         _answer_request(job=job, checkpoint=checkpoint)
         checkpoints_prune(job=job)
     return checkpoint
+
+
+def _superseded(checkpoint: Checkpoint) -> bool:
+    """Whether the run that wrote `checkpoint` has ended and another run of the job holds GPUs: that
+    run was (or will be) handed the newest checkpoint committed before it, so committing this one now
+    would name a later step than the one it resumed from, which it is about to write again."""
+    if checkpoint.allocation_id is None:
+        return False
+    return (not Allocation.objects.filter(pk=checkpoint.allocation_id, active=True).exists()
+            and Allocation.objects.filter(job_id=checkpoint.job_id, active=True).exists())
 
 
 def _size(size: int | None) -> str:

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from broker.inventory.models import Node
+from broker.inventory.models import Node, PoolKind
 from broker.jobs.checkpoints import committed_checkpoint
 from broker.jobs.migration import migration_request, open_migration
 from broker.jobs.models import Job, MigrationCause
@@ -32,18 +32,21 @@ from broker.scheduler.snapshot import tenant_snapshot
 from broker.tenancy.models import Tenant
 from scheduling import model as sm
 from scheduling.engine import schedule
+from scheduling.moves import MoveRules, cycle_wanted, move_policy
 
 log = logging.getLogger(__name__)
 # The engine's moves (defragmentation for a blocked job, consolidation off costly rented capacity) are
-# applied as checkpointed migrations (broker.jobs.migration), under the engine's own limits: at most
-# Policy.max_moves_per_cycle per cycle, and never a job that has run less than
-# Policy.min_run_before_move_s since it (re)started, so no job moves twice within that interval.
-BROKER_POLICY = sm.Policy(
-    defragmentation=True, consolidation=True, time_limit_s=2.0,
+# applied as checkpointed migrations (broker.jobs.migration) under scheduling.moves' rules, the ones the
+# cost week's simulator applies too: at most max_moves_per_cycle per cycle, never a job that has run
+# less than min_run_before_move_s since it (re)started, consolidation cycles with nothing pending at
+# most every consolidation_interval_s.
+MOVE_RULES = MoveRules(
     min_run_before_preempt_s=float(getattr(settings, "WHALEZEN_MIN_RUN_BEFORE_PREEMPT_SECONDS", 600)),
     min_run_before_move_s=float(getattr(settings, "WHALEZEN_MIN_RUN_BEFORE_MOVE_SECONDS", 600)),
     max_moves_per_cycle=int(getattr(settings, "WHALEZEN_MAX_MOVES_PER_CYCLE", 4)),
+    consolidation_interval_s=float(getattr(settings, "WHALEZEN_CONSOLIDATION_INTERVAL_SECONDS", 60)),
 )
+BROKER_POLICY = move_policy(MOVE_RULES)
 
 
 def preemption_grace_seconds() -> float:
@@ -110,7 +113,7 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
     if cycle_number is None:
         return CycleOutcome(ran=False)
     try:
-        if not Job.objects.filter(tenant=tenant, state=JobState.PENDING).exists():
+        if not _cycle_wanted(tenant=tenant, policy=policy):
             return CycleOutcome(ran=True)
         offers, offer_index = cloud_offers(tenant=tenant)
         snapshot = tenant_snapshot(tenant=tenant, seed=cycle_number, offers=offers,
@@ -257,5 +260,27 @@ def _json_safe(value):
     return str(value)
 
 
-def tenants_with_pending_jobs() -> list[Tenant]:
-    return list(Tenant.objects.filter(jobs__state=JobState.PENDING).distinct())
+def _running_on_rented(tenant_filter: Q) -> Q:
+    return tenant_filter & Q(state=JobState.RUNNING, allocations__active=True) & ~Q(
+        allocations__node__pool__kind=PoolKind.ONPREM)
+
+
+def _cycle_wanted(*, tenant: Tenant, policy: sm.Policy, rules: MoveRules = MOVE_RULES) -> bool:
+    """scheduling.moves.cycle_wanted for one tenant: something pending, or consolidation due."""
+    if Job.objects.filter(tenant=tenant, state=JobState.PENDING).exists():
+        return True
+    last = CycleRecord.objects.filter(tenant=tenant).values_list("started_at", flat=True).first()
+    return cycle_wanted(
+        pending=False, running_on_rented=Job.objects.filter(_running_on_rented(Q(tenant=tenant))).exists(),
+        seconds_since_last_cycle=None if last is None else (timezone.now() - last).total_seconds(),
+        rules=rules, policy=policy)
+
+
+def tenants_to_schedule(policy: sm.Policy = BROKER_POLICY) -> list[Tenant]:
+    """Tenants a cycle is due for (scheduling.moves.cycle_wanted): pending jobs, or (consolidating) jobs
+    on rented capacity and no cycle for consolidation_interval_s."""
+    candidates = Q(jobs__state=JobState.PENDING)
+    if policy.consolidation:
+        candidates |= Q(jobs__in=Job.objects.filter(_running_on_rented(Q())))
+    return [tenant for tenant in Tenant.objects.filter(candidates).distinct()
+            if _cycle_wanted(tenant=tenant, policy=policy)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from broker.ops.services import periodic_run_record
-from broker.scheduler.services import scheduling_cycle_run, tenants_with_pending_jobs
+from broker.scheduler.services import scheduling_cycle_run, tenants_to_schedule
 from broker.scheduler.timeouts import stalled_boots_retire, stalled_starts_requeue
 from broker.tenancy.models import Tenant
 
@@ -19,9 +19,9 @@ def scheduling_cycle(tenant_id: int) -> None:
 @shared_task(name="scheduler.sweep", ignore_result=True)
 def scheduling_sweep() -> None:
     """Periodic: give up on stalled starts and boots, then run a cycle for every tenant with pending work
-    (this also catches anything a lost message missed)."""
+    or a consolidation due (this also catches anything a lost message missed)."""
     stalled_starts_requeue()
     stalled_boots_retire()
-    for tenant in tenants_with_pending_jobs():
+    for tenant in tenants_to_schedule():
         scheduling_cycle.delay(tenant.pk)
     periodic_run_record(name="scheduler.sweep")  # /healthz: scheduling is alive

@@ -6,7 +6,7 @@ speeds as CU ratings, every pending job with its remaining work as expected dura
 engine and turns the plan back into simulator actions: placements on nodes become starts,
 placements on launches become instance launches, migrations (defragmentation, and the engine's
 consolidation of under-used rented instances) become a checkpointed stop + start, preemptions
-become stops.
+become stops. Whether a cycle runs at all is the broker's rule (`scheduling.moves.cycle_wanted`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from scheduling.model import (
     CloudOffer, GpuModelInfo, GpuState, JobDemand, NodeState, Plan, Policy, PolicyWeights,
     RunningAllocation, Snapshot,
 )
+from scheduling.moves import MoveRules, cycle_wanted
 from scheduling.sim.events import Action, Launch, Simulator, Start, Stop
 
 BIG_CPU = 1_000_000  # the cost week models GPUs only; CPU and memory never bind
@@ -89,12 +90,15 @@ class EnginePolicy:
 
     def __init__(self, policy: Policy | None = None, weights: PolicyWeights | None = None,
                  launchable: int = 64, sunk: bool = False, idle_release_s: float = 0.0,
-                 schedule: Callable[[Snapshot, Policy | None], Plan] | None = None) -> None:
+                 schedule: Callable[[Snapshot, Policy | None], Plan] | None = None,
+                 rules: MoveRules | None = None) -> None:
         if schedule is None:
             from scheduling.engine import schedule as engine_schedule
             schedule = engine_schedule
         self.schedule = schedule
         self.policy = policy
+        self.rules = rules or MoveRules()
+        self.last_cycle_s: float | None = None
         self.weights = weights or PolicyWeights()
         self.launchable = launchable
         self.sunk = sunk
@@ -104,9 +108,13 @@ class EnginePolicy:
         self.cycle_seconds: list[float] = []
 
     def decide(self, sim: Simulator) -> list[Action]:
-        consolidating = self.policy is None or self.policy.consolidation
-        if not sim.pending and not (consolidating and sim.running):
+        running_on_rented = any(sim.nodes[r.node_id].offer is not None for r in sim.running
+                                if r.node_id in sim.nodes)
+        since = None if self.last_cycle_s is None else sim.now - self.last_cycle_s
+        if not cycle_wanted(pending=bool(sim.pending), running_on_rented=running_on_rented,
+                            seconds_since_last_cycle=since, rules=self.rules, policy=self.policy or Policy()):
             return []
+        self.last_cycle_s = sim.now
         plan = self.schedule(build_snapshot(sim, self.weights, self.launchable, self.sunk), self.policy)
         self.methods[plan.solver.method] += 1
         self.cycle_seconds.append(plan.solver.solve_seconds)

@@ -538,14 +538,20 @@ def test_module_restore_honours_the_variable(job_env, monkeypatch):
     assert checkpoint.restore(job_env["WHALEZEN_CHECKPOINT_URI"]) is None
 
 
-def test_prune_keeps_the_committed_checkpoint(job_env):
+@pytest.mark.parametrize("restore_from", ["committed", ""])
+def test_under_a_broker_prune_deletes_nothing(job_env, restore_from):
+    """The broker commits each checkpoint some time after its write (it re-reads it first) and
+    deletes old ones itself: the job, which cannot see what is committed yet, must not. (It used to
+    keep its newest two, and deleted the only one a move had committed while verification lagged.)"""
     ckpt = Checkpointer(env=job_env)
     for step in (1, 2, 3, 4):
         ckpt.save(step, b"x")
-    committed = ckpt.list()[0].uri
-    result = Checkpointer(env={**job_env, "WHALEZEN_RESTORE_FROM": committed}).prune(keep=2)
-    assert result.kept == (4, 3) and result.deleted == (2,)
-    assert [i.step for i in ckpt.list()] == [1, 3, 4]
+    said = ckpt.list()[0].uri if restore_from == "committed" else ""
+    managed = Checkpointer(env={**job_env, "WHALEZEN_RESTORE_FROM": said})
+    assert managed.broker_prunes and managed.prune(keep=2).deleted == ()
+    assert [i.step for i in ckpt.list()] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        managed.prune(keep=0)
 
 
 def test_s3_committed_checkpoint_and_its_fallback(s3_uri, job_env, tmp_path, capfd):

@@ -205,3 +205,25 @@ def test_the_move_records_the_newest_checkpoint_the_target_was_handed(acme, regi
     status(target_token, start["id"], start["epoch"], "running", pid=7)
     (move,) = acme.client.get(f"/api/v1/jobs/{job.pk}/migrations/").json()["results"]
     assert move["restored_step"] == 80
+
+
+def test_a_checkpoint_verified_only_after_the_job_moved_on_is_never_committed(acme, registered, second, root,
+                                                                              verify_queue):
+    """The source saved step 100 just before it stopped, but the worker verifying checkpoints was
+    down (or slow) until the job had started on the target from step 80: committing 100 then would
+    hand a later restart a step the new run is about to write again (into the same directory)."""
+    (source, source_token), (_, target_token) = registered, second
+    job, allocation = running_job(acme, source, root)
+    acme.client.post(f"/api/v1/jobs/{job.pk}/migrate/", {"node": "gpu-node-2"}, format="json")
+    commit_checkpoint(source_token, allocation, root, job, 80, only_assignment(source_token)["checkpoint_request_id"])
+    late = write(root, 100)
+    assert report_checkpoint(source_token, allocation, late).status_code == 200  # reported, not yet verified
+    status(source_token, allocation.pk, allocation.epoch, "stopped", reason="withdrawn")
+    start = only_assignment(target_token)
+    assert start["restore_from"].endswith("step-000000000080")
+
+    checkpoints.checkpoint_verify(checkpoint_id=Checkpoint.objects.get(job=job, step=100).pk)
+    stale = Checkpoint.objects.get(job=job, step=100)
+    assert stale.state == "INVALID" and "a run the job has since left" in stale.problem
+    assert only_assignment(target_token)["restore_from"].endswith("step-000000000080")
+    assert checkpoints.committed_checkpoint(job).step == 80

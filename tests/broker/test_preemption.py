@@ -128,3 +128,39 @@ def test_the_engines_defragmentation_moves_are_begun_as_checkpointed_migrations(
     assert big.state == JobState.PENDING and big.pending_reason_code == "WAITING_FOR_DEFRAGMENTATION"
     scheduling_cycle_run(tenant=acme.tenant)
     assert Migration.objects.count() == 1  # one move at a time per job; the next cycle does not repeat it
+
+
+def test_with_nothing_pending_a_consolidation_cycle_moves_a_lone_job_off_a_costly_rented_node(
+        acme, gpu_models, root, settings):
+    """A long job alone on an expensive rented 8-GPU instance, free on-prem GPUs at a fraction of its
+    price: with no job pending the sweep still schedules the tenant, its cycle begins the move, and
+    the next sweep within WHALEZEN_CONSOLIDATION_INTERVAL_SECONDS does not schedule it again."""
+    from broker.inventory.models import Pool, PoolKind
+    from broker.inventory.services import node_create_simulated
+    from broker.scheduler.models import CycleRecord
+    from broker.scheduler.services import tenants_to_schedule
+
+    acme.pool.gpu_hour_rate_usd = 1
+    acme.pool.save()
+    rented_pool = Pool.objects.create(tenant=acme.tenant, name="aws-east", kind=PoolKind.AWS, region="us-east-1",
+                                      gpu_hour_rate_usd=12)
+    rented = node_create_simulated(pool=rented_pool, name="aws-east-p4d", gpu_model=gpu_models["A100-80GB"],
+                                   gpu_count=8, nvlink_island_size=8, cpu_milli=96000, memory_mb=1024 * 1024)
+    job = submit(acme, name="long", resources={"gpus": 1, "gpu_models": ["A100-80GB"]}, preemptible=True,
+                 expected_duration_hours=10, checkpoint={"uri": str(root / "long")})
+    allocation_commit(job=job, requests=[GpuRequest(node=rented, gpu_indices=(0,))])
+    for to in (JobState.STARTING, JobState.RUNNING):
+        job = job_transition(job=job, to=to)
+    interval = timedelta(seconds=settings.WHALEZEN_CONSOLIDATION_INTERVAL_SECONDS + 1)
+
+    assert tenants_to_schedule() == [acme.tenant]  # nothing pending, a job on rented capacity
+    assert scheduling_cycle_run(tenant=acme.tenant).moved == []  # it has run too short a time to move
+    assert tenants_to_schedule() == []  # the next consolidation cycle is an interval away
+    CycleRecord.objects.update(started_at=timezone.now() - interval)
+    Job.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(hours=1))
+    assert tenants_to_schedule() == [acme.tenant]
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert outcome.moved == [job.pk], outcome.conflicts
+    move = Migration.objects.get(job=job)
+    assert move.cause == "CONSOLIDATION" and move.target_node in {n.name for n in acme.nodes}
+    assert tenants_to_schedule() == []  # one consolidation cycle per interval

@@ -96,7 +96,7 @@ def processes_of(var_dir: Path, *markers: str) -> list[str]:
     """Live processes started for this var dir (its path in their environment or command line), or
     whose command line holds one of `markers` (jobs run with a clean environment)."""
     needles = [str(var_dir).encode(), *(m.encode() for m in markers)]
-    return [f"{pid}: {' '.join(argv)[:200]}" for pid, argv, environ in _processes()
+    return [f"{pid}: {' '.join(argv)[:200]}" for pid, argv, environ in live_processes()
             if any(n in " ".join(argv).encode() or n in environ for n in needles)]
 
 
@@ -114,10 +114,11 @@ def kill_leftovers(var_dir: Path, *markers: str) -> None:
 
 def commands_with(marker: str) -> list[list[str]]:
     """argv of every live process whose command line holds `marker`."""
-    return [argv for _, argv, _ in _processes() if any(marker in arg for arg in argv)]
+    return [argv for _, argv, _ in live_processes() if any(marker in arg for arg in argv)]
 
 
-def _processes():
+def live_processes():
+    """(pid, argv, environ) of every live process but this one."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue

@@ -2,7 +2,9 @@
 training job (examples/train_toy.py, checkpointing through agent/checkpoint), the HTTP API.
 
 1. The job runs and its checkpoints are committed; a move by request brings it to another node,
-   restored from the committed step (its log there says so).
+   restored from the committed step (its log there says so), while the Celery worker is SIGKILLed
+   once in each step of the move (serve restarts it): the move completes, and the job never runs
+   twice.
 2. The agent of the node it then runs on is SIGKILLed (the job dies with it): the node is LOST and the
    job restarts elsewhere from its last committed checkpoint, losing at most about one checkpoint
    interval of steps.
@@ -17,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from .service import Service, backends, call, free_port, kill_leftovers, processes_of, shared_tmp_dir, wait_for
+from .service import (Service, backends, call, free_port, kill_leftovers, live_processes, processes_of, shared_tmp_dir,
+                      wait_for)
 from .test_serve import demo_nodes_online, wait_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +54,39 @@ def agent_pid(var_dir: Path, node: str) -> int:
     return int(entries[0].split(":", 1)[0])
 
 
+def toy_copies(checkpoints: Path) -> list[int]:
+    """Pids of this test's toy training processes: the job itself (python3 running train_toy.py, its
+    checkpoint path in its environment), not the shim that started it."""
+    uri = f"WHALEZEN_CHECKPOINT_URI={checkpoints / 'toy'}".encode()
+    return [pid for pid, argv, environ in live_processes()
+            if argv[:1] == ["/usr/bin/python3"] and argv[1:2] and argv[1].endswith("train_toy.py")
+            and uri in environ.split(b"\0")]
+
+
+class WorkerKills:
+    """SIGKILLs serve's Celery worker once in each step a move is seen in, and checks on every look
+    that the job runs at most once."""
+
+    def __init__(self, service: Service):
+        self.service, self.steps, self.killed = service, [], []
+
+    def during(self, move: dict, checkpoints: Path) -> dict | None:
+        copies = toy_copies(checkpoints)
+        assert len(copies) <= 1, f"the job runs twice during its move ({move['state']}): {copies}"
+        if move["state"] not in ("CHECKPOINTING", "STOPPING", "PLACING"):
+            return move
+        if move["state"] not in self.steps:
+            worker = self.service.children()["worker"]
+            if worker not in self.killed:  # else the last one killed is still down: down in this step too
+                try:
+                    os.kill(worker, signal.SIGKILL)
+                    self.killed.append(worker)
+                except ProcessLookupError:
+                    pass
+            self.steps.append(move["state"])
+        return None
+
+
 @pytest.mark.slow
 def test_a_running_job_moves_and_survives_its_agent_being_killed(tmp_path):
     # Both where jobs reach: they run as an unprivileged user, and pytest's tmp dirs are 0700.
@@ -76,13 +112,20 @@ def _move_then_kill(service: Service, var_dir: Path, checkpoints: Path) -> None:
     first = wait_state(service, token, job["id"], {"RUNNING"})
     wait_for(lambda: [c for c in call(f"{url}checkpoints/", token)["results"] if c["state"] == "COMMITTED"],
              90, "a committed checkpoint")
+    assert len(toy_copies(checkpoints)) == 1  # what the checks during the move count
 
-    # 1. Move by request.
+    # 1. Move by request, the worker SIGKILLed in each step of it.
     moved = call(f"{url}migrate/", token, {})
     assert moved["state"] == "CHECKPOINTING" and moved["source"] == current_allocation(first)["node"]
-    done = wait_for(lambda: (m := call(f"{url}migrations/", token)["results"][0])["state"] == "COMPLETED" and m,
-                    120, "the move to complete")
+    worker_kills = WorkerKills(service)
+    done = wait_for(lambda: worker_kills.during(call(f"{url}migrations/", token)["results"][0], checkpoints),
+                    180, "the move to complete with its worker killed in each step")
+    assert done["state"] == "COMPLETED", done
     assert done["to"] != done["source"] and done["downtime_s"] is not None
+    assert worker_kills.steps == ["CHECKPOINTING", "STOPPING", "PLACING"][:len(worker_kills.steps)], worker_kills.steps
+    assert worker_kills.killed, "the worker was killed at least once"
+    for pid in worker_kills.killed:
+        assert f"worker (pid {pid}) killed by SIGKILL" in service.log()
     after = wait_state(service, token, job["id"], {"RUNNING"})
     target = current_allocation(after)
     assert target["node"] == done["to"]
