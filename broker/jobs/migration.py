@@ -253,6 +253,19 @@ def migrations_sweep(*, now: datetime | None = None) -> dict[str, list[int]]:
                     outcome=f"The job ended ({job.state}) during the move."):
                 abandoned.append(migration.pk)
             continue
+        if migration.state == MigrationState.CHECKPOINTING and _source_run_ended(migration):
+            # The run it was to checkpoint ended without it (its node was lost, or it was requeued):
+            # the job goes elsewhere anyway, from its last committed checkpoint; the move completes
+            # when it runs there.
+            from broker.jobs.checkpoints import committed_checkpoint
+
+            if _set(migration, MigrationState.CHECKPOINTING, state=MigrationState.PLACING,
+                    checkpoint=committed_checkpoint(job), checkpointed_at=now, source_stopped_at=now,
+                    outcome=f"The run on {migration.source_node} ended before its checkpoint (its node was "
+                            "lost, or it was requeued); the job restarts elsewhere from its last committed "
+                            "checkpoint."):
+                redriven.append(migration.pk)
+            continue
         if (migration.state == MigrationState.CHECKPOINTING and migration.deadline is not None
                 and now >= migration.deadline):
             late.append(migration.pk)
@@ -277,6 +290,10 @@ def migrations_sweep(*, now: datetime | None = None) -> dict[str, list[int]]:
                                 "there is confirmed stopped or fenced.")
             fenced.append(migration.pk)
     return {"fenced": fenced, "abandoned": abandoned, "late": late, "redriven": redriven}
+
+
+def _source_run_ended(migration: Migration) -> bool:
+    return not Allocation.objects.filter(pk=migration.source_allocation_id, active=True).exists()
 
 
 def _source_node_id(migration: Migration) -> int | None:

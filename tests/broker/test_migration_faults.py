@@ -8,8 +8,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from broker.agents.services import lost_after_seconds, nodes_mark_lost
+from broker.inventory.models import Node
 from broker.jobs import checkpoints, migration
 from broker.jobs.models import Checkpoint, CheckpointState, Migration, MigrationState
+from broker.jobs.services import GpuRequest, allocation_commit
 from broker.jobs.states import JobState
 
 from .test_agent_api import API, agent_client, registered, join_token  # noqa: F401 (fixtures)
@@ -106,3 +109,31 @@ def test_every_step_run_twice_moves_once(acme, registered, second, root, verify_
     assert move.state == MigrationState.COMPLETED
     assert job.allocations.filter(active=True).count() == 1
     assert job.events.filter(reason_code="MIGRATION_COMPLETED").count() == 1
+
+
+def test_a_move_whose_source_node_is_lost_before_its_checkpoint_completes_elsewhere(
+        acme, registered, second, root, verify_queue):
+    """The source goes silent as the move begins: its node is LOST and the job requeued from its last
+    committed checkpoint. The move does not sit in CHECKPOINTING until its deadline (and then claim
+    the job runs on where it was): it completes when the job runs on another node."""
+    (source, source_token), (target, target_token) = registered, second
+    job, allocation = running_job(acme, source, root)
+    commit_checkpoint(source_token, allocation, root, job, 40)
+    assert acme.client.post(f"/api/v1/jobs/{job.pk}/migrate/", {}, format="json").status_code == 202
+    source.refresh_from_db()
+    heard = source.last_heartbeat_at
+    Node.objects.filter(pk=target.pk).update(last_heartbeat_at=heard + timedelta(seconds=lost_after_seconds() + 5))
+    (lost,) = nodes_mark_lost(now=heard + timedelta(seconds=lost_after_seconds() + 1))
+    assert lost.pk == source.pk
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING and job.pending_reason_code == "NODE_LOST"
+
+    assert migration.migrations_sweep()["redriven"] == [Migration.objects.get(job=job).pk]
+    move = Migration.objects.get(job=job)
+    assert move.state == MigrationState.PLACING and move.checkpoint.step == 40
+    (new,) = allocation_commit(job=job, requests=[GpuRequest(node=target, gpu_indices=(0,))])
+    status(target_token, new.pk, new.epoch, "running", pid=5)
+    move.refresh_from_db()
+    assert move.state == MigrationState.COMPLETED and move.placed_on == target.name
+    assert move.checkpoint.step == 40
+    assert migration.migrations_sweep() == {"fenced": [], "abandoned": [], "late": [], "redriven": []}

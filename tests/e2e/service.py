@@ -193,3 +193,74 @@ class Service:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             raise AssertionError(f"the service did not stop within {timeout:g} s:\n{self.log()[-3000:]}")
+
+
+class Partition:
+    """A TCP relay between one agent and the web server that can be cut: while cut, every open
+    connection is closed and new ones are refused, as a broken network between them looks to both."""
+
+    def __init__(self, upstream_port: int):
+        import threading
+
+        self.upstream_port, self.port = upstream_port, free_port()
+        self._lock, self._open, self._listener = threading.Lock(), set(), None
+        self._threading = threading
+        self.heal()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def heal(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        self._threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            doomed, self._open = self._open, set()
+        for sock in [listener, *doomed]:
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # cut
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:
+                    client.close(), upstream.close()
+                    return
+                self._open.update((client, upstream))
+            for src, dst in ((client, upstream), (upstream, client)):
+                self._threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            src.close()  # each socket is read by one pump: that one closes it

@@ -8,6 +8,11 @@ training job (examples/train_toy.py, checkpointing through agent/checkpoint), th
 2. The agent of the node it then runs on is SIGKILLed (the job dies with it): the node is LOST and the
    job restarts elsewhere from its last committed checkpoint, losing at most about one checkpoint
    interval of steps.
+3. A move whose source node is cut off from the broker as it begins (a real agent behind a TCP relay
+   that is cut): the node is LOST, the target does not start until the source is fenced (the agent
+   stops its job itself, the broker waits out the fence), the job never runs on both, the move
+   completes from the last checkpoint committed before the cut, and the source coming back starts
+   nothing.
 On SQLite and the file queue, or PostgreSQL and Redis when the suite has them (CI runs both).
 """
 from __future__ import annotations
@@ -15,23 +20,26 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from .service import (Service, backends, call, free_port, kill_leftovers, live_processes, processes_of, shared_tmp_dir,
-                      wait_for)
+from .service import (ROOT, Partition, Service, backends, call, free_port, kill_leftovers, live_processes,
+                      processes_of, shared_tmp_dir, wait_for)
 from .test_serve import demo_nodes_online, wait_state
 
-ROOT = Path(__file__).resolve().parents[2]
 STEP_S, CHECKPOINT_EVERY_S = 0.1, 2.0
 
 
-def toy_spec(checkpoints: Path) -> dict:
-    return {"name": "toy", "preemptible": True, "resources": {"gpus": 1, "gpu_models": ["A100-80GB"]},
+def toy_spec(checkpoints: Path, name: str = "toy", **resources) -> dict:
+    return {"name": name, "preemptible": True,
+            "resources": {"gpus": 1, "gpu_models": ["A100-80GB"], **resources},
             "command": ["/usr/bin/python3", str(ROOT / "examples" / "train_toy.py"), "--steps", "100000",
                         "--step-seconds", str(STEP_S), "--checkpoint-every-seconds", str(CHECKPOINT_EVERY_S)],
-            "checkpoint": {"uri": str(checkpoints / "toy")}}
+            "checkpoint": {"uri": str(checkpoints / name)}}
 
 
 def job_log(var_dir: Path, allocation_id: int) -> str:
@@ -54,10 +62,10 @@ def agent_pid(var_dir: Path, node: str) -> int:
     return int(entries[0].split(":", 1)[0])
 
 
-def toy_copies(checkpoints: Path) -> list[int]:
-    """Pids of this test's toy training processes: the job itself (python3 running train_toy.py, its
+def toy_copies(checkpoints: Path, name: str = "toy") -> list[int]:
+    """Pids of one toy job's training processes: the job itself (python3 running train_toy.py, its
     checkpoint path in its environment), not the shim that started it."""
-    uri = f"WHALEZEN_CHECKPOINT_URI={checkpoints / 'toy'}".encode()
+    uri = f"WHALEZEN_CHECKPOINT_URI={checkpoints / name}".encode()
     return [pid for pid, argv, environ in live_processes()
             if argv[:1] == ["/usr/bin/python3"] and argv[1:2] and argv[1].endswith("train_toy.py")
             and uri in environ.split(b"\0")]
@@ -87,20 +95,30 @@ class WorkerKills:
         return None
 
 
-@pytest.mark.slow
-def test_a_running_job_moves_and_survives_its_agent_being_killed(tmp_path):
+pytestmark = pytest.mark.slow
+MOVE_STOP_TIMEOUT_S, FENCE_WAIT_S, EDGE_FENCE_AFTER_S = 6, 10, 3
+
+
+@pytest.fixture(scope="module")
+def served():
+    """One `make run` for the module (the CI budget is tight): (service, var dir, checkpoint root)."""
     # Both where jobs reach: they run as an unprivileged user, and pytest's tmp dirs are 0700.
     var_dir, checkpoints = shared_tmp_dir() / "var", shared_tmp_dir()
     with backends(var_dir, WHALEZEN_CHECKPOINT_ROOTS=str(checkpoints), WHALEZEN_NODE_LOST_AFTER_SECONDS="8",
-                  WHALEZEN_LOST_SWEEP_SECONDS="2", WHALEZEN_FENCE_WAIT_SECONDS="10") as env:
+                  WHALEZEN_LOST_SWEEP_SECONDS="2", WHALEZEN_FENCE_WAIT_SECONDS=str(FENCE_WAIT_S),
+                  WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS=str(MOVE_STOP_TIMEOUT_S)) as env:
         service = Service(var_dir, free_port(), env)
         try:
             service.start()
-            _move_then_kill(service, var_dir, checkpoints)
+            yield service, var_dir, checkpoints
         finally:
             if service.process is not None and service.process.poll() is None:
                 service.stop(signal.SIGTERM)
             kill_leftovers(var_dir, str(checkpoints))
+
+
+def test_a_running_job_moves_and_survives_its_agent_being_killed(served):
+    _move_then_kill(*served)
 
 
 def _move_then_kill(service: Service, var_dir: Path, checkpoints: Path) -> None:
@@ -151,3 +169,87 @@ def _move_then_kill(service: Service, var_dir: Path, checkpoints: Path) -> None:
     assert 0 <= lost_steps <= (CHECKPOINT_EVERY_S + 3.0) / STEP_S, (last_step, restored.group(1))
     events = call(f"{url}events/?page_size=200", token)["results"]
     assert any(e["reason_code"] == "NODE_LOST" for e in events), [e["reason_code"] for e in events]
+
+
+def test_a_move_whose_source_is_cut_off_waits_for_the_fence(served):
+    service, var_dir, checkpoints = served
+    token = service.token("acme")
+    jobs = f"{service.base}/api/v1/jobs/"
+    join = subprocess.run([sys.executable, "manage.py", "issue_join_token", "--tenant", "acme", "--pool", "edge",
+                           "--create"], cwd=ROOT, env=service.env, check=True, capture_output=True, text=True,
+                          timeout=60).stdout.strip().splitlines()[-1]
+    token_file = var_dir / "edge-join-token"
+    token_file.write_text(join)
+    partition = Partition(service.port)
+    agents = []
+    try:
+        # Two L4 nodes of their own (the demo has none on-prem): the job starts behind the relay.
+        agents.append(edge_agent(var_dir, "edge-src", partition.url, token_file))
+        wait_for(lambda: node_state(service, token, "edge-src") == "ONLINE", 60, "edge-src to register")
+        job = call(jobs, token, toy_spec(checkpoints, "edge", gpu_models=["L4"]) | {"placement": {"providers": ["onprem"]}})
+        url = f"{jobs}{job['id']}/"
+        first = wait_state(service, token, job["id"], {"RUNNING"})
+        assert current_allocation(first)["node"] == "edge-src"
+        wait_for(lambda: [c for c in call(f"{url}checkpoints/", token)["results"] if c["state"] == "COMMITTED"],
+                 90, "a committed checkpoint")
+        agents.append(edge_agent(var_dir, "edge-dst", service.base, token_file))
+        wait_for(lambda: node_state(service, token, "edge-dst") == "ONLINE", 60, "edge-dst to register")
+
+        # Cut off as soon as the move is asked for: whatever the source does now (the checkpoint it is
+        # asked for, its stop), the broker hears none of it.
+        call(f"{url}migrate/", token, {})
+        partition.cut()
+        cut_at = time.time()
+
+        def moved():
+            copies = toy_copies(checkpoints, "edge")
+            assert len(copies) <= 1, f"the job runs on both nodes: {copies}"
+            j = call(url, token)
+            return j["state"] == "RUNNING" and current_allocation(j)["node"] == "edge-dst" and j
+
+        wait_for(moved, 120, "the job to run on edge-dst", interval=0.2)
+        started_after = time.time() - cut_at
+        move = call(f"{url}migrations/", token)["results"][0]
+        assert (move["state"], move["to"]) == ("COMPLETED", "edge-dst"), move
+        codes = [e["reason_code"] for e in call(f"{url}events/?page_size=200", token)["results"]]
+        assert "NODE_LOST" in codes and "PLACED" in codes[codes.index("NODE_LOST"):], codes
+        # Not before the node was given up on and the fence wait had passed.
+        assert started_after >= FENCE_WAIT_S, started_after
+        assert move["restored_step"] is not None  # from the last checkpoint committed before the cut
+
+        # The source comes back: it learns its copy is withdrawn, and the job still runs once.
+        partition.heal()
+        wait_for(lambda: node_state(service, token, "edge-src") == "ONLINE", 60, "edge-src to come back")
+        for _ in range(10):
+            assert len(toy_copies(checkpoints, "edge")) == 1
+            time.sleep(0.3)
+        assert call(url, token)["state"] == "RUNNING"
+    finally:
+        partition.cut()
+        for agent in agents:
+            agent.kill()
+            agent.wait(timeout=30)
+
+
+def edge_agent(var_dir: Path, name: str, server: str, token_file: Path) -> subprocess.Popen:
+    """A real node agent with one fake L4, fencing its jobs itself after EDGE_FENCE_AFTER_S without
+    the broker (well inside the broker's fence wait)."""
+    state = var_dir / "edge-agents" / name
+    state.parent.mkdir(parents=True, exist_ok=True)
+    jobs_dir = shared_tmp_dir() / f"{name}-jobs"
+    log = (var_dir / f"{name}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent", "--server", server, "--join-token-file", str(token_file), "--name", name,
+         "--fake-gpus", "1xL4", "--state-dir", str(state), "--work-dir", str(jobs_dir), "--heartbeat-seconds", "1",
+         "--fence-after-seconds", str(EDGE_FENCE_AFTER_S), "--stop-grace-seconds", "2"],
+        cwd=ROOT, env=service_agent_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+
+
+def service_agent_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "REDIS_URL", "DJANGO"))}
+
+
+def node_state(service: Service, token: str, name: str) -> str | None:
+    nodes = call(f"{service.base}/api/v1/nodes/?page_size=200", token)["results"]
+    return next((n["state"] for n in nodes if n["name"] == name), None)
