@@ -5,8 +5,11 @@ it restores the newest checkpoint that verifies (printing `restored from step N`
 --print-restore-seconds `restored from step N in X.XXX s`: the time from asking the helper for a
 checkpoint to having the model back, which bench/migration.py reads from the job's log); it then
 prints `step N loss X` every step, checkpoints every --checkpoint-every-seconds and whenever the
-agent asks (SIGUSR1 or the request file), keeps the newest two checkpoints, and exits 0 after
---steps steps. Each step's data comes from a generator seeded by the step number, so a run
+agent asks (SIGUSR1 or the request file), outside WhaleZen keeps the newest two checkpoints (under
+WhaleZen the broker prunes), and exits 0 after --steps steps. --tear-checkpoint-at-step N is a
+fault drill: in each run, the first checkpoint at or after step N gets one byte of its data
+flipped after it is saved, as a crash or a bad disk can leave a write (the broker must never
+commit or restore it). Each step's data comes from a generator seeded by the step number, so a run
 that was stopped and restored computes the same numbers as one that never stopped.
 
 Finding the helper: the script adds the folder above its own (the repository root) to the end
@@ -45,7 +48,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Opt-in: the plain `restored from step N` line is what people and older tests look for verbatim.
     parser.add_argument("--print-restore-seconds", action="store_true",
                         help="say how long the restore took: `restored from step N in X.XXX s`")
+    parser.add_argument("--tear-checkpoint-at-step", type=int, default=None, metavar="N",
+                        help="fault drill: flip one byte of the first checkpoint saved at or after step N")
     return parser.parse_args(argv)
+
+
+def tear(checkpoint_dir: str) -> None:
+    """Flip the first byte of the checkpoint's data file, leaving its manifest as it was."""
+    data = Path(checkpoint_dir) / "model.json"
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
 
 
 def train_step(model: dict[str, float], step: int, learning_rate: float) -> float:
@@ -90,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             request = ckpt.requested()
             state = json.dumps({"model": model, "step": step}).encode()
             result = ckpt.save(step, {"model.json": state}, extra={"loss": loss})
+            if args.tear_checkpoint_at_step is not None and step >= args.tear_checkpoint_at_step:
+                args.tear_checkpoint_at_step = None
+                tear(result.uri)
+                print(f"checkpoint step {step} torn on purpose (--tear-checkpoint-at-step)", flush=True)
             ckpt.prune(keep=2)  # does nothing under WhaleZen: the broker prunes what it committed
             why = f"request {request.request_id}" if request and request.request_id else (
                 "signal" if request else "interval or last step")

@@ -484,6 +484,23 @@ def test_toy_example_restores_where_it_stopped(tmp_path):
     assert [i.step for i in list_checkpoints(str(tmp_path / "ckpt"))] == [4, 7]
 
 
+def test_the_toys_fault_drill_tears_one_checkpoint_and_a_restart_skips_it(tmp_path):
+    """--tear-checkpoint-at-step: the checkpoint fails verification (its data no longer matches its
+    manifest), and a restart does not restore it."""
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    env = {"PATH": "/usr/bin:/bin", "WHALEZEN_CHECKPOINT_URI": str(tmp_path / "ckpt")}
+    argv = [python, "-I", str(REPO / "examples" / "train_toy.py"), "--step-seconds", "0"]
+    first = subprocess.run([*argv, "--steps", "5", "--tear-checkpoint-at-step", "4"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=30)
+    assert first.returncode == 0, first.stderr
+    assert "checkpoint step 4 torn on purpose" in first.stdout
+    torn = next(i for i in list_checkpoints(str(tmp_path / "ckpt")) if i.step == 4)
+    result = verify(torn.uri)
+    assert not result.ok and any("sha256" in p for p in result.problems), result
+    again = subprocess.run([*argv, "--steps", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert again.returncode == 0 and "restored from" not in again.stdout, again.stdout
+
+
 # -- restoring what the broker committed (WHALEZEN_RESTORE_FROM) -------------------------------------
 
 

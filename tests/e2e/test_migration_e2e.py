@@ -8,7 +8,8 @@ training job (examples/train_toy.py, checkpointing through agent/checkpoint), th
 2. The agent of the node it then runs on is SIGKILLed (the job dies with it): the node is LOST and the
    job restarts elsewhere from its last committed checkpoint, losing at most about one checkpoint
    interval of steps.
-3. A move whose source node is cut off from the broker as it begins (a real agent behind a TCP relay
+3. A torn checkpoint (a flipped byte in its data file) is refused and never restored; then a move
+   whose source node is cut off from the broker as it begins (a real agent behind a TCP relay
    that is cut): the node is LOST, the target does not start until the source is fenced (the agent
    stops its job itself, the broker waits out the fence), the job never runs on both, the move
    completes from the last checkpoint committed before the cut, and the source coming back starts
@@ -34,11 +35,12 @@ from .test_serve import demo_nodes_online, wait_state
 STEP_S, CHECKPOINT_EVERY_S = 0.1, 2.0
 
 
-def toy_spec(checkpoints: Path, name: str = "toy", **resources) -> dict:
+def toy_spec(checkpoints: Path, name: str = "toy", args: tuple[str, ...] = (), **resources) -> dict:
     return {"name": name, "preemptible": True,
             "resources": {"gpus": 1, "gpu_models": ["A100-80GB"], **resources},
             "command": ["/usr/bin/python3", str(ROOT / "examples" / "train_toy.py"), "--steps", "100000",
-                        "--step-seconds", str(STEP_S), "--checkpoint-every-seconds", str(CHECKPOINT_EVERY_S)],
+                        "--step-seconds", str(STEP_S), "--checkpoint-every-seconds", str(CHECKPOINT_EVERY_S),
+                        *args],
             "checkpoint": {"uri": str(checkpoints / name)}}
 
 
@@ -186,12 +188,16 @@ def test_a_move_whose_source_is_cut_off_waits_for_the_fence(served):
         # Two L4 nodes of their own (the demo has none on-prem): the job starts behind the relay.
         agents.append(edge_agent(var_dir, "edge-src", partition.url, token_file))
         wait_for(lambda: node_state(service, token, "edge-src") == "ONLINE", 60, "edge-src to register")
-        job = call(jobs, token, toy_spec(checkpoints, "edge", gpu_models=["L4"]) | {"placement": {"providers": ["onprem"]}})
+        # Its second checkpoint is torn (a flipped byte in its data file, as a crash mid-write leaves it).
+        spec = toy_spec(checkpoints, "edge", ("--tear-checkpoint-at-step", str(int(1.5 * CHECKPOINT_EVERY_S / STEP_S))),
+                        gpu_models=["L4"])
+        job = call(jobs, token, spec | {"placement": {"providers": ["onprem"]}})
         url = f"{jobs}{job['id']}/"
         first = wait_state(service, token, job["id"], {"RUNNING"})
         assert current_allocation(first)["node"] == "edge-src"
-        wait_for(lambda: [c for c in call(f"{url}checkpoints/", token)["results"] if c["state"] == "COMMITTED"],
-                 90, "a committed checkpoint")
+        torn = wait_for(lambda: next((c for c in call(f"{url}checkpoints/", token)["results"]
+                                      if c["state"] == "INVALID"), None), 90, "the torn checkpoint to be refused")
+        assert "sha256" in torn["problem"] or "size" in torn["problem"], torn
         agents.append(edge_agent(var_dir, "edge-dst", service.base, token_file))
         wait_for(lambda: node_state(service, token, "edge-dst") == "ONLINE", 60, "edge-dst to register")
 
@@ -215,7 +221,12 @@ def test_a_move_whose_source_is_cut_off_waits_for_the_fence(served):
         assert "NODE_LOST" in codes and "PLACED" in codes[codes.index("NODE_LOST"):], codes
         # Not before the node was given up on and the fence wait had passed.
         assert started_after >= FENCE_WAIT_S, started_after
-        assert move["restored_step"] is not None  # from the last checkpoint committed before the cut
+        # From the newest checkpoint committed before the cut, never the torn one.
+        listed = {c["step"]: c["state"] for c in call(f"{url}checkpoints/?page_size=200", token)["results"]}
+        assert move["restored_step"] is not None and move["restored_step"] != torn["step"], (move, torn)
+        assert listed.get(torn["step"]) != "COMMITTED", listed
+        target_log = job_log(var_dir, current_allocation(call(url, token))["id"])
+        assert f"restored from step {move['restored_step']}" in target_log, target_log[:500]
 
         # The source comes back: it learns its copy is withdrawn, and the job still runs once.
         partition.heal()
@@ -236,7 +247,7 @@ def edge_agent(var_dir: Path, name: str, server: str, token_file: Path) -> subpr
     the broker (well inside the broker's fence wait)."""
     state = var_dir / "edge-agents" / name
     state.parent.mkdir(parents=True, exist_ok=True)
-    jobs_dir = shared_tmp_dir() / f"{name}-jobs"
+    jobs_dir = state.parent / f"{name}-jobs"  # where job_log() finds the job's output, as for the demo's agents
     log = (var_dir / f"{name}.log").open("wb")
     return subprocess.Popen(
         [sys.executable, "-m", "agent", "--server", server, "--join-token-file", str(token_file), "--name", name,
@@ -253,3 +264,37 @@ def service_agent_env() -> dict[str, str]:
 def node_state(service: Service, token: str, name: str) -> str | None:
     nodes = call(f"{service.base}/api/v1/nodes/?page_size=200", token)["results"]
     return next((n["state"] for n in nodes if n["name"] == name), None)
+
+
+def test_a_spot_notice_moves_the_job_before_its_instance_dies(served):
+    """A job on a `cloud-sim` instance (the `local` provider: real agent processes behind a simulated
+    metadata service) gets a spot notice: it checkpoints, and runs on elsewhere from a checkpoint
+    written after the notice, so it loses at most the work since the notice."""
+    service, var_dir, checkpoints = served
+    token = service.token("acme")
+    jobs = f"{service.base}/api/v1/jobs/"
+    spec = toy_spec(checkpoints, "spot", gpu_models=["L4"]) | {"placement": {"providers": ["local"]}}
+    job = call(jobs, token, spec)
+    url = f"{jobs}{job['id']}/"
+    first = wait_state(service, token, job["id"], {"RUNNING"}, timeout=180)
+    source = current_allocation(first)
+    wait_for(lambda: [c for c in call(f"{url}checkpoints/", token)["results"] if c["state"] == "COMMITTED"],
+             90, "a committed checkpoint")
+
+    step_at_notice = max(int(s) for s in re.findall(r"^step (\d+) ", job_log(var_dir, source["id"]), re.MULTILINE))
+    subprocess.run([sys.executable, "manage.py", "spot_interrupt", source["node"], "--in", "30"], cwd=ROOT,
+                   env=service.env, check=True, capture_output=True, timeout=60)
+
+    def elsewhere():
+        assert len(toy_copies(checkpoints, "spot")) <= 1, "the job runs twice"
+        j = call(url, token)
+        return j["state"] == "RUNNING" and j["allocations"] and current_allocation(j)["node"] != source["node"] and j
+
+    again = wait_for(elsewhere, 180, "the job to run on another instance", interval=0.3)
+    restored = wait_for(lambda: re.search(r"^restored from step (\d+)", job_log(var_dir, current_allocation(again)["id"]),
+                                          re.MULTILINE), 60, "the job to restore a checkpoint")
+    assert int(restored.group(1)) >= step_at_notice  # written after the notice: no work before it is lost
+    codes = [e["reason_code"] for e in call(f"{url}events/?page_size=200", token)["results"]]
+    assert "SPOT_NOTICE" in codes and "SPOT_INTERRUPTION" in codes, codes
+    (move,) = [m for m in call(f"{url}migrations/", token)["results"] if m["cause"] == "SPOT"]
+    assert move["state"] == "COMPLETED" and move["to"] == current_allocation(again)["node"], move
