@@ -14,7 +14,12 @@ training job (examples/train_toy.py, checkpointing through agent/checkpoint), th
    stops its job itself, the broker waits out the fence), the job never runs on both, the move
    completes from the last checkpoint committed before the cut, and the source coming back starts
    nothing.
-On SQLite and the file queue, or PostgreSQL and Redis when the suite has them (CI runs both).
+4. A spot notice on a `cloud-sim` instance: the job checkpoints and runs on another instance from a
+   checkpoint written after the notice.
+5. Preemption of jobs that write no checkpoints: not before their minimum run time; then one is
+   stopped, told it restarts from the beginning, and the critical job runs.
+One service for the module (the CI budget is tight). On SQLite and the file queue, or PostgreSQL and
+Redis when the suite has them (CI runs both).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from .service import (ROOT, Partition, Service, backends, call, free_port, kill_leftovers, live_processes,
+from .service import (ROOT, Partition, Service, backends, call, commands_with, free_port, kill_leftovers, live_processes,
                       processes_of, shared_tmp_dir, wait_for)
 from .test_serve import demo_nodes_online, wait_state
 
@@ -98,7 +103,8 @@ class WorkerKills:
 
 
 pytestmark = pytest.mark.slow
-MOVE_STOP_TIMEOUT_S, FENCE_WAIT_S, EDGE_FENCE_AFTER_S = 6, 10, 3
+MOVE_STOP_TIMEOUT_S, FENCE_WAIT_S, EDGE_FENCE_AFTER_S, MIN_RUN_BEFORE_PREEMPT_S = 6, 10, 3, 15
+SLEEP_MARK = 861_000  # the low-priority jobs' `sleep` arguments: how their processes are found
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +114,8 @@ def served():
     var_dir, checkpoints = shared_tmp_dir() / "var", shared_tmp_dir()
     with backends(var_dir, WHALEZEN_CHECKPOINT_ROOTS=str(checkpoints), WHALEZEN_NODE_LOST_AFTER_SECONDS="8",
                   WHALEZEN_LOST_SWEEP_SECONDS="2", WHALEZEN_FENCE_WAIT_SECONDS=str(FENCE_WAIT_S),
-                  WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS=str(MOVE_STOP_TIMEOUT_S)) as env:
+                  WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS=str(MOVE_STOP_TIMEOUT_S),
+                  WHALEZEN_MIN_RUN_BEFORE_PREEMPT_SECONDS=str(MIN_RUN_BEFORE_PREEMPT_S)) as env:
         service = Service(var_dir, free_port(), env)
         try:
             service.start()
@@ -298,3 +305,38 @@ def test_a_spot_notice_moves_the_job_before_its_instance_dies(served):
     assert "SPOT_NOTICE" in codes and "SPOT_INTERRUPTION" in codes, codes
     (move,) = [m for m in call(f"{url}migrations/", token)["results"] if m["cause"] == "SPOT"]
     assert move["state"] == "COMPLETED" and move["to"] == current_allocation(again)["node"], move
+
+
+def test_preemption_waits_for_the_minimum_run_time_and_a_job_without_checkpoints_restarts(served):
+    """Both demo T4 nodes full with low-priority jobs that write no checkpoints; a critical job wants
+    one of them. It waits until the victims have run WHALEZEN_MIN_RUN_BEFORE_PREEMPT_SECONDS, then one
+    is stopped (its process gone), told it restarts from the beginning, and the critical job runs."""
+    service, _, _ = served
+    token = service.token("acme")
+    jobs = f"{service.base}/api/v1/jobs/"
+    t4_onprem = {"resources": {"gpus": 4, "gpu_models": ["T4"]}, "placement": {"providers": ["onprem"]}}
+    low = [call(jobs, token, {"name": f"low-{i}", "priority": "low", "preemptible": True,
+                              "command": ["/bin/sleep", f"{SLEEP_MARK + i}"], **t4_onprem}) for i in range(2)]
+    wait_state(service, token, low[0]["id"], {"RUNNING"})
+    first_running = time.time()  # at most a poll after it started: no victim is eligible before this + the minimum
+    wait_state(service, token, low[1]["id"], {"RUNNING"})
+    high = call(jobs, token, {"name": "urgent", "priority": "critical", "command": ["/bin/sleep", "3600"],
+                              **t4_onprem})
+    # Below their minimum run time the victims are left alone: the critical job waits.
+    assert time.time() < first_running + MIN_RUN_BEFORE_PREEMPT_S - 6, "too slow to see the wait"
+    while time.time() < first_running + MIN_RUN_BEFORE_PREEMPT_S - 2:
+        assert all(call(f"{jobs}{j['id']}/", token)["state"] == "RUNNING" for j in low)
+        assert call(f"{jobs}{high['id']}/", token)["state"] == "PENDING"
+        time.sleep(0.5)
+    wait_state(service, token, high["id"], {"RUNNING"}, timeout=120)
+
+    states = {j["id"]: call(f"{jobs}{j['id']}/", token)["state"] for j in low}
+    (victim,) = [i for i, s in states.items() if s != "RUNNING"]
+    preempted = [e for e in call(f"{jobs}{victim}/events/?page_size=200", token)["results"]
+                 if e["reason_code"] == "PREEMPTED"]
+    assert preempted and "restarts from the beginning" in preempted[0]["message"], preempted
+    mark = str(SLEEP_MARK + [j["id"] for j in low].index(victim))
+    wait_for(lambda: not commands_with(mark), 30, "the victim's process to be stopped")
+    assert call(f"{jobs}{victim}/", token)["state"] == "PENDING"
+    for j in (*low, high):
+        call(f"{jobs}{j['id']}/cancel/", token, {})
