@@ -38,7 +38,8 @@ class PoolSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Pool
-        fields = ["id", "name", "kind", "region", "gpu_hour_rate_usd", "enabled", "node_count", "created_at"]
+        fields = ["id", "name", "kind", "region", "gpu_hour_rate_usd", "marginal_cost_usd_per_gpu_hour", "enabled",
+                  "node_count", "created_at"]
 
 
 class PoolViewSet(TenantReadOnlyViewSet):

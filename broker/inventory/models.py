@@ -50,7 +50,15 @@ class Pool(models.Model):
     )
     gpu_hour_rate_usd = models.DecimalField(
         max_digits=10, decimal_places=4, default=Decimal("0"), validators=[MinValueValidator(0)],
-        help_text="Internal $/GPU-hour charged for on-prem capacity",
+        help_text="Internal $/GPU-hour charged for on-prem capacity (the chargeback price teams are billed)",
+    )
+    # What the scheduler prices owned capacity at: one more GPU-hour on GPUs the platform already owns
+    # costs it only this (power, wear), not the chargeback rate, so idle owned GPUs are used before
+    # anything is rented. Rented capacity is priced at what the cloud charges.
+    marginal_cost_usd_per_gpu_hour = models.DecimalField(
+        max_digits=10, decimal_places=4, default=Decimal("0"), validators=[MinValueValidator(0)],
+        help_text="On-prem: what one more GPU-hour costs the platform (power); the scheduler prices owned "
+                  "GPUs at this, not at the chargeback rate",
     )
     join_token_prefix = models.CharField(max_length=16, blank=True)
     join_token_hash = models.CharField(max_length=64, blank=True)

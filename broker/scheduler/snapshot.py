@@ -29,6 +29,15 @@ def _ts(value: datetime | None) -> float:
     return value.timestamp() if value else 0.0
 
 
+def _price_per_gpu_hour(pool) -> float:
+    """What the engine counts for a GPU-hour on a node of `pool`: owned capacity at its marginal cost
+    to the platform (the chargeback rate is what teams are billed, not money the platform spends), a
+    rented instance at what the pool says (its instances are paid for by the hour, used or not)."""
+    if pool.kind == PoolKind.ONPREM:
+        return float(pool.marginal_cost_usd_per_gpu_hour)
+    return float(pool.gpu_hour_rate_usd)
+
+
 def job_demand(job: Job) -> sm.JobDemand:
     return sm.JobDemand(
         job_id=str(job.pk),
@@ -98,7 +107,7 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
             pool=node.pool.name, provider=node.pool.kind, region=node.pool.region,
             labels={str(k): str(v) for k, v in node.labels.items()},
             state="ready" if node.state == NodeState.ONLINE and node.pool.enabled else node.state.lower(),
-            price_per_gpu_hour=float(node.pool.gpu_hour_rate_usd),
+            price_per_gpu_hour=_price_per_gpu_hour(node.pool),
             fast_fabric=fabric in FAST_FABRIC_LABELS,
             rented=node.pool.kind != PoolKind.ONPREM,
         ))

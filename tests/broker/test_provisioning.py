@@ -320,3 +320,25 @@ def test_two_cycles_committing_launches_at_once_stay_under_the_cap(acme, sim_poo
         monkeypatch.undo()
         assert len(launched) == 2 and live_instances(sim_pool) == 2, f"round {round_}: {launched}"
         Job.objects.filter(pk__in=[j.pk for j in first + second]).update(state=JobState.CANCELLED)
+
+
+def test_idle_owned_gpus_are_used_before_anything_is_rented(acme, gpu_models, settings, tmp_path):
+    """The demo's misfire: two T4:4 jobs rented cloud-sim sim.4xT4 instances at $3.91/h while the
+    tenant's on-prem T4 nodes stood idle, because on-prem was priced at its chargeback rate
+    (4 x $1.10/h). Owned GPUs cost the platform their marginal cost (default 0): they go first."""
+    from broker.inventory.management.commands.seed_demo import SIM_CLOUD_CONFIG
+    from broker.inventory.services import node_create_simulated
+
+    settings.VAR_DIR = tmp_path
+    acme.pool.gpu_hour_rate_usd = Decimal("1.10")
+    acme.pool.save()
+    t4_nodes = {node_create_simulated(pool=acme.pool, name=f"acme-t4-{i}", gpu_model=gpu_models["T4"], gpu_count=4,
+                                      nvlink_island_size=0, cpu_milli=48000, memory_mb=192 * 1024).pk
+                for i in range(2)}
+    Pool.objects.create(tenant=acme.tenant, name="cloud-sim", kind=PoolKind.LOCAL, region="sim-east-1",
+                        max_instances=2, provider_config=SIM_CLOUD_CONFIG)
+    jobs = [submit(acme, name=f"t4-{i}", resources={"gpus": 4, "gpu_models": ["T4"]}, expected_duration_hours=2)
+            for i in range(2)]
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert outcome.launched == [] and sorted(outcome.placed) == sorted(j.pk for j in jobs), outcome.conflicts
+    assert {j.allocations.get(active=True).node_id for j in jobs} == t4_nodes
