@@ -217,7 +217,14 @@ class Agent:
             self.identity = None
             self.store.clear_identity()
             self._on_broker_down(now, str(err))
-        return self._wait_until(min(self._next_heartbeat_at, max(self._next_network_at, now)))
+        # Sleep until the next heartbeat (at most a tick: finished jobs are noticed within one), or,
+        # with reports still to deliver, until the broker may be tried again. (This once took
+        # `max(next network try, now)` unconditionally, which is `now` while the broker answers: an
+        # idle agent woke at once, forever, and used a quarter to all of a core.)
+        wake = self._next_heartbeat_at
+        if self.state.outbox:
+            wake = min(wake, max(self._next_network_at, now))
+        return self._wait_until(wake)
 
     def _wait_until(self, when: float) -> float:
         return max(0.0, min(self.config.tick_seconds, when - self.clock()))

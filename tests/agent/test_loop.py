@@ -88,6 +88,21 @@ def test_registers_with_inventory_and_topology_then_heartbeats(open_dir, broker,
     assert reading["health"] == "HEALTHY" and beat["processes"] == []
 
 
+def test_an_idle_agent_sleeps_between_steps(open_dir, broker, clock):
+    """With nothing to deliver, the loop waits a full tick (or until the heartbeat) after each step:
+    an earlier version returned 0 whenever the broker answered, so an idle agent woke at once,
+    forever, and used up to a whole core (issue 12 measured a quarter of a core per demo agent)."""
+    agent = make_agent(open_dir, broker, clock)
+    assert agent.step() == pytest.approx(agent.config.tick_seconds)  # registered, heartbeat sent
+    for _ in range(20):
+        clock.advance(0.1)
+        assert agent.step() > 0, "an idle agent must not spin"
+    calls = len(broker.state.requests)
+    clock.advance(agent.heartbeat_s - 2.5)  # still before the next heartbeat (2 s have passed)
+    agent.step()
+    assert len(broker.state.requests) == calls  # no broker call between heartbeats
+
+
 def test_node_token_is_kept_private_and_a_restart_does_not_register_again(open_dir, broker, clock):
     agent = make_agent(open_dir, broker, clock)
     agent.step()
