@@ -78,8 +78,23 @@ def _run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metadata-url", metavar="URL", default=None,
                         help="the metadata service (default for aws http://169.254.169.254, for gcp "
                         "http://metadata.google.internal; required for local)")
+    parser.add_argument("--metrics-listen", default=os.environ.get("WHALEZEN_AGENT_METRICS_LISTEN", "127.0.0.1:0"),
+                        metavar="HOST:PORT",
+                        help="serve the GPUs' readings for Prometheus under DCGM exporter names here (env "
+                        "WHALEZEN_AGENT_METRICS_LISTEN; default 127.0.0.1:0, any free port on loopback; "
+                        "0.0.0.0:9400 where Prometheus scrapes from elsewhere, dcgm-exporter's port; off: none)")
     parser.add_argument("--log-level", default=os.environ.get("WHALEZEN_AGENT_LOG_LEVEL", "INFO"))
     return parser
+
+
+def _listen(text: str) -> tuple[str, int] | None:
+    """--metrics-listen: `HOST:PORT` (port 0: any free one), or None for `off`."""
+    if text.strip().lower() in ("off", "none", ""):
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdecimal() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--metrics-listen: expected HOST:PORT or off, got {text[:60]!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def _seconds(text: str) -> float:
@@ -151,6 +166,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.delete_join_token_file and not args.join_token_file:
         return _fail("--delete-join-token-file needs --join-token-file", EXIT_USAGE)
     try:
+        metrics_listen = _listen(args.metrics_listen)
+    except ValueError as err:
+        return _fail(str(err), EXIT_USAGE)
+    try:
         join_token = read_join_token(value=args.join_token, path=args.join_token_file, fd=args.join_token_fd)
     except JoinTokenError as err:
         return _fail(str(err), EXIT_USAGE)
@@ -172,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         fence_after_s=args.fence_after_seconds,
         spot_notice=args.spot_notice,
         metadata_url=args.metadata_url,
+        metrics_listen=metrics_listen,
     )
     try:
         agent = Agent(config, backend)

@@ -69,6 +69,9 @@ class AgentConfig:
     spot_notice: str = "none"  # none | aws | gcp | local: where to watch for spot interruption notices
     metadata_url: str | None = None  # the metadata service; None: the cloud's usual address (agent/spot.py)
     spot_poll_s: float = SPOT_POLL_SECONDS
+    # Where the DCGM-named GPU metrics are served (agent/metrics.py): (host, port), port 0 = any free
+    # one; None: not served (the CLI's default is loopback, any free port).
+    metrics_listen: tuple[str, int] | None = None
 
 
 class Agent:
@@ -116,6 +119,9 @@ class Agent:
         self.spot = None if config.spot_notice == "none" else SpotWatcher(
             config.spot_notice, config.metadata_url, poll_s=config.spot_poll_s, on_notice=lambda _: self._wake())
         self._interruption_announced = False  # a heartbeat carrying the notice was delivered
+        self.metrics: Any = None  # agent.metrics.GpuCollector while the GPU metrics are served
+        self.metrics_server: Any = None
+        self.metrics_url: str | None = None  # what the broker is told, for Prometheus service discovery
         self._next_network_at = clock()
         self._next_heartbeat_at = clock()
         self._started = False
@@ -133,7 +139,26 @@ class Agent:
         self.fence.log_setting()
         if self.spot is not None:
             self.spot.start()
+        if self.config.metrics_listen is not None:
+            self._start_metrics(*self.config.metrics_listen)
         self._started = True
+
+    def _start_metrics(self, host: str, port: int) -> None:
+        try:
+            from agent.metrics import GpuCollector, MetricsServer  # prometheus_client: only when serving
+        except ImportError as err:  # an install from before the exporter: the agent's real work goes on
+            log.error("cannot serve GPU metrics (%s): pip install -r agent/requirements.txt", err)
+            return
+        inventory = self.backend.inventory()
+        self.metrics = GpuCollector(inventory.hostname, inventory.gpus)
+        try:
+            self.metrics_server = MetricsServer(self.metrics, host, port)
+        except OSError as err:  # the port is taken: the agent's real work goes on without it
+            log.error("cannot serve GPU metrics on %s:%d: %s", host, port, err)
+            self.metrics = None
+            return
+        self.metrics_url = self.metrics_server.url(inventory.hostname)
+        log.info("GPU metrics (DCGM exporter names) at %s", self.metrics_url)
 
     def run(self) -> int:
         self.start()
@@ -175,6 +200,9 @@ class Agent:
         self.backend.close()
         if self.spot is not None:
             self.spot.stop()  # before the wake pipe closes: its thread writes to it
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = self.metrics_url = None
         if self._wake_r >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -256,6 +284,7 @@ class Agent:
             agent_key=self.state.agent_key,
             labels=self.config.labels or {},
             job_isolation=self.job_user.isolation,
+            metrics_url=self.metrics_url,
         )
         try:
             body = self.client.register(payload)
@@ -287,6 +316,8 @@ class Agent:
             self.last_sample = self.backend.sample()
             self.last_sample_at = time.time()
             self._sampled_mono = now
+            if self.metrics is not None:
+                self.metrics.update(self.last_sample)
         except Exception:  # one bad sample must not stop heartbeats or job supervision
             log.exception("GPU sampling failed; sending the previous sample")
 
@@ -301,6 +332,7 @@ class Agent:
             missed_heartbeats=self.missed_heartbeats,
             last_error=self.last_error,
             interruption=notice.to_json() if notice is not None else None,
+            metrics_url=self.metrics_url,
         )
         try:
             body = self.client.heartbeat(self.identity.node_token, payload)

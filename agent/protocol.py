@@ -12,7 +12,7 @@ from agent.model import GpuReading, NodeInventory
 
 def registration_payload(
     *, inventory: NodeInventory, join_token: str, name: str, agent_key: str, labels: Mapping[str, str],
-    job_isolation: str = "separate-user",
+    job_isolation: str = "separate-user", metrics_url: str | None = None,
 ) -> dict[str, Any]:
     topology_by_index = {t.index: t for t in inventory.topology}
     gpus = []
@@ -34,7 +34,8 @@ def registration_payload(
             }
         )
     inventory_json = inventory.to_json()
-    return {
+    extra = {"metrics_url": metrics_url} if metrics_url else {}
+    return {**extra,
         "join_token": join_token,
         "name": name,
         "hostname": inventory.hostname,
@@ -67,6 +68,7 @@ def heartbeat_payload(
     missed_heartbeats: int,
     last_error: str | None,
     interruption: dict[str, Any] | None = None,
+    metrics_url: str | None = None,
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "agent_version": AGENT_VERSION,
@@ -90,4 +92,6 @@ def heartbeat_payload(
     }
     if interruption is not None:  # only then: a broker that predates the field must not see it
         payload["interruption"] = interruption
+    if metrics_url:
+        payload["metrics_url"] = metrics_url
     return payload

@@ -27,6 +27,9 @@ class NodeAgent(models.Model):
     cuda_driver_version = models.CharField(max_length=16, blank=True)
     job_isolation = models.CharField(max_length=16, choices=JobIsolation.choices, blank=True,
                                      help_text="Empty: the agent did not say (an agent older than this field)")
+    # Where the agent serves its GPUs' DCGM-named metrics (agent/metrics.py), as it said at registration;
+    # listed for Prometheus by GET /metrics/targets. Empty: it serves none.
+    metrics_url = models.CharField(max_length=300, blank=True)
     registered_at = models.DateTimeField()
     last_telemetry = models.JSONField(default=list, blank=True, help_text="Latest readings, all fields")
     processes = models.JSONField(default=list, blank=True, help_text="Job processes in the latest heartbeat")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 from typing import Any
 
 from rest_framework import serializers
@@ -159,6 +160,28 @@ class LabelsField(serializers.DictField):
         return dict(data)
 
 
+class MetricsUrlField(StrictRegexField):
+    """Where an agent serves its GPU metrics (agent/metrics.py): a plain http(s) URL with a host and a
+    port, no credentials or query; it is handed to Prometheus as a scrape target."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(
+            r"^https?://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):[0-9]{1,5}/[A-Za-z0-9._~/-]{0,100}\Z",
+            max_length=300, error_messages={
+                "invalid": "An http(s) URL with a host and a port, e.g. http://gpu-node-7:9400/metrics."}, **kwargs)
+        self.validators.append(_port_in_range)
+
+
+def _port_in_range(value: str) -> None:
+    """After the pattern: a host and a port are there; the port must be one a server can listen on."""
+    try:
+        port = urllib.parse.urlsplit(value).port
+    except ValueError:
+        port = None
+    if value and not (port and 0 < port < 65536):
+        raise serializers.ValidationError("The port must be 1-65535.")
+
+
 class RegisterSerializer(StrictSerializer):
     join_token = StrictCharField(max_length=200)
     name = StrictRegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z", max_length=200,
@@ -178,6 +201,7 @@ class RegisterSerializer(StrictSerializer):
     # Whether the agent runs jobs as a user of their own ("separate-user") or as itself
     # ("shared-user": jobs could read the agent's secrets). Shown to tenant admins on the node.
     job_isolation = _choice(JOB_ISOLATION, required=False)
+    metrics_url = MetricsUrlField(required=False, allow_blank=True)
 
     def validate_gpus(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
         indices = [g["index"] for g in gpus]
@@ -240,6 +264,7 @@ class HeartbeatSerializer(StrictSerializer):
     telemetry = ReadingSerializer(many=True, max_length=MAX_GPUS, required=False)
     processes = ProcessSerializer(many=True, max_length=256, required=False)
     interruption = InterruptionSerializer(required=False)
+    metrics_url = MetricsUrlField(required=False, allow_blank=True)  # it changes when an agent restarts
 
 
 # -- status reports ------------------------------------------------------------------------------

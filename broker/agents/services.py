@@ -175,7 +175,7 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
             "agent_key": data["agent_key"], "backend": data.get("backend") or "",
             "driver_version": data.get("driver_version") or "",
             "cuda_driver_version": data.get("cuda_driver_version") or "",
-            "job_isolation": data.get("job_isolation") or "",
+            "job_isolation": data.get("job_isolation") or "", "metrics_url": data.get("metrics_url") or "",
             "registered_at": now, "missed_heartbeats": 0, "last_error": "",
         })
     node.refresh_from_db()
@@ -341,9 +341,11 @@ def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
             changed.append(gpu)
         Gpu.objects.bulk_update(changed, ["utilization_pct", "memory_used_mb", "temperature_c", "power_w",
                                           "ecc_errors", "health", "mig_mode", "last_seen_at"])
+        metrics = {"metrics_url": data["metrics_url"]} if "metrics_url" in data else {}
         NodeAgent.objects.filter(node=node).update(
             last_telemetry=data.get("telemetry", []), processes=data.get("processes", []),
-            missed_heartbeats=data.get("missed_heartbeats") or 0, last_error=data.get("last_error") or "")
+            missed_heartbeats=data.get("missed_heartbeats") or 0, last_error=data.get("last_error") or "",
+            **metrics)
     if data.get("interruption"):
         from broker.agents.interruptions import node_interruption_notice
 

@@ -106,7 +106,7 @@ def test_refs_are_found_and_judged():
     assert not is_local("//cdn.example/x.png") and is_local("../img/x.svg") and is_local("data:image/png;base64,")
 
 
-def test_no_page_served_without_login_references_another_host(anon):
+def test_no_page_served_without_login_references_another_host(anon, db):
     pages: dict[str, str] = {}
     for path in public_paths():
         resp = anon.get(path, follow=True)
