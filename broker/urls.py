@@ -3,11 +3,12 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from broker.api.health import healthz
-from broker.api.metrics import metrics_targets
+from broker.api.metrics import metrics, metrics_targets
 from broker.ops.agent_package import agent_package
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("metrics", metrics, name="metrics"),
     path("metrics/targets", metrics_targets, name="metrics-targets"),
     path("agent/package.tar.gz", agent_package, name="agent-package"),
     path("admin/", admin.site.urls),

@@ -1,11 +1,13 @@
 """Monitoring endpoints for Prometheus, outside the tenant API.
 
+`GET /metrics`: the broker's own metrics (broker/ops/metrics.py), in Prometheus's text format.
+
 `GET /metrics/targets`: a Prometheus HTTP service-discovery document (the `http_sd_configs` JSON
 format: a list of `{"targets": ["host:port"], "labels": {...}}`) with every node agent that serves
 its GPUs' DCGM-named metrics (agent/metrics.py), labelled with its node, pool and tenant, so one
 Prometheus job scrapes them all.
 
-Who may read it (`metrics_access_allowed`): it names every tenant's nodes, so not the tenants' API
+Who may read them (`metrics_access_allowed`): they name every tenant's nodes and jobs, so not the tenants' API
 tokens. A caller on loopback may; others only with `Authorization: Bearer <WHALEZEN_METRICS_TOKEN>`
 or from an address in `WHALEZEN_METRICS_ALLOW` (comma-separated addresses or CIDR networks).
 Anything else is a 403 naming what would be accepted.
@@ -17,7 +19,8 @@ import ipaddress
 import urllib.parse
 
 from django.conf import settings
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from broker.agents.models import NodeAgent
 from broker.inventory.models import NodeState
@@ -63,3 +66,15 @@ def metrics_targets(request: HttpRequest) -> JsonResponse:
                                   "node": agent.node.name, "pool": agent.node.pool.name,
                                   "tenant": agent.node.tenant.slug}})
     return JsonResponse(groups, safe=False)
+
+
+def metrics(request: HttpRequest) -> HttpResponse:
+    from broker.ops.metrics import BrokerCollector
+
+    if request.method != "GET":
+        return JsonResponse({"detail": f'Method "{request.method[:16]}" not allowed.'}, status=405)
+    if not metrics_access_allowed(request):
+        return refused()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BrokerCollector())
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
