@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make_agent(url: str, join_token: str, tmp_path: Path, clock: FakeClock, *, name: str = "live-node",
-               spec: str = "8xH100-80GB-SXM,nvlink=2x4") -> Agent:
+               spec: str = "8xH100-80GB-SXM,nvlink=2x4", **config_extra) -> Agent:
     config = AgentConfig(server_url=url, join_token=join_token, name=name, state_dir=tmp_path / name,
-                         stop_grace_s=2.0, http_timeout_s=10.0)
+                         stop_grace_s=2.0, http_timeout_s=10.0, **config_extra)
     backend = FakeBackend(spec, clock=clock, hostname=name)
     return Agent(config, backend, clock=clock, rng=random.Random(1), base_env={"PATH": os.environ["PATH"]})
 
