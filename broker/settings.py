@@ -323,6 +323,13 @@ CELERY_BEAT_SCHEDULE = {
     "refresh-offers": {"task": "provisioning.refresh_offers", "schedule": 900.0},
     "checkpoints-sweep": {"task": "checkpoints.sweep", "schedule": 5.0},
 }
+# GPU readings of nodes without the WhaleZen agent, from a site's Prometheus scraping dcgm-exporter
+# (broker/agents/prometheus_telemetry.py). Empty: off.
+WHALEZEN_PROMETHEUS_URL = os.environ.get("WHALEZEN_PROMETHEUS_URL", "")
+if WHALEZEN_PROMETHEUS_URL:
+    CELERY_BEAT_SCHEDULE["prometheus-telemetry"] = {
+        "task": "agents.prometheus_telemetry",
+        "schedule": float(os.environ.get("WHALEZEN_PROMETHEUS_TELEMETRY_SECONDS", 30))}
 
 LOGGING = {
     "version": 1,

@@ -11,3 +11,11 @@ def mark_lost_nodes() -> int:
     """Periodic: nodes silent past WHALEZEN_NODE_LOST_AFTER_SECONDS become LOST; their jobs requeue."""
     # The sweep records its own run (ops.PeriodicRun, read by /healthz) before it judges any node.
     return len(nodes_mark_lost())
+
+
+@shared_task(name="agents.prometheus_telemetry", ignore_result=True)
+def prometheus_telemetry() -> int:
+    """Periodic, when WHALEZEN_PROMETHEUS_URL is set: agentless nodes' GPU readings from dcgm-exporter."""
+    from broker.agents.prometheus_telemetry import prometheus_telemetry_pull
+
+    return len(prometheus_telemetry_pull())
