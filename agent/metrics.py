@@ -10,7 +10,6 @@ Prometheus service discovery.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -19,8 +18,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agent.model import GpuInfo, GpuReading
-
-log = logging.getLogger(__name__)
 
 LABELS = ["gpu", "UUID", "device", "modelName", "pci_bus_id", "Hostname", "hostname"]
 

@@ -22,7 +22,8 @@ import sys
 import time
 from typing import Sequence
 
-from bench.migration import Api, _processes, backend, service, wait_for
+from bench.migration import Api, backend, service, wait_for
+from bench.procs import live_processes
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -30,7 +31,7 @@ TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 def agent_pids() -> dict[int, str]:
     """pid -> node name of every running node agent (`python -m agent ... --name NAME`)."""
     found = {}
-    for pid, argv, _ in _processes():
+    for pid, argv, _ in live_processes():
         if argv[1:3] == ["-m", "agent"] and "--name" in argv:
             found[pid] = argv[argv.index("--name") + 1]
     return found

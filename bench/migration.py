@@ -51,6 +51,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from bench.procs import live_processes
+
 ROOT = Path(__file__).resolve().parents[1]
 POSTGRES_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS_SERVER = "redis://127.0.0.1:6379"
@@ -301,24 +303,12 @@ def _stop_group(process: subprocess.Popen) -> None:
         process.wait(timeout=5)
 
 
-def _processes() -> Iterator[tuple[int, list[str], bytes]]:
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
-            environ = (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        yield int(proc.name), argv, environ
-
-
 def _kill_leftovers(*dirs: Path) -> None:
     """SIGKILL whatever still belongs to this bench: its var dir in a process's command line or
     environment (agents, web, worker), or its checkpoint root (jobs run with a clean environment but
     get WHALEZEN_CHECKPOINT_URI under it)."""
     needles = [str(d).encode() for d in dirs]
-    for pid, argv, environ in _processes():
+    for pid, argv, environ in live_processes():
         joined = " ".join(argv).encode()
         if any(n in joined or n in environ for n in needles):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -340,7 +330,7 @@ def agent_of(node: str, var_dir: Path) -> tuple[int, list[str], bytes]:
     """pid, argv and environment of the live agent process of `node` started for this var dir. The
     demo runs each agent under a simulated instance (providers/local/instance.py) whose command line
     holds the agent's: only the `python -m agent` process itself is the agent."""
-    for pid, argv, environ in _processes():
+    for pid, argv, environ in live_processes():
         if argv[1:3] == ["-m", "agent"] and "--name" in argv and argv[argv.index("--name") + 1] == node \
                 and str(var_dir) in " ".join(argv):
             return pid, argv, environ

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.hostile_input import _free_port, _wait_up
+from bench.procs import live_processes
 from broker.ops.web import web_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,15 +97,11 @@ def _stop(process: subprocess.Popen) -> None:
 def _reap(var_dir: Path) -> None:
     """Stop what the run left behind under `var_dir`: the `local` provider's instance agents run in
     their own sessions and may outlive `serve` (issue 8, item 9)."""
-    marker = str(var_dir).encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if marker in (proc / "cmdline").read_bytes():
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            continue
+    marker = str(var_dir)
+    for pid, argv, _ in live_processes():
+        if any(marker in arg for arg in argv):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ Defaults give a self-contained service (SQLite, a file-based task queue, local-m
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -274,14 +275,12 @@ WHALEZEN_MIN_RUN_BEFORE_PREEMPT_SECONDS = float(os.environ.get("WHALEZEN_MIN_RUN
 WHALEZEN_MIN_RUN_BEFORE_MOVE_SECONDS = float(os.environ.get("WHALEZEN_MIN_RUN_BEFORE_MOVE_SECONDS", 600))
 WHALEZEN_MAX_MOVES_PER_CYCLE = int(os.environ.get("WHALEZEN_MAX_MOVES_PER_CYCLE", 4))
 WHALEZEN_CONSOLIDATION_INTERVAL_SECONDS = float(os.environ.get("WHALEZEN_CONSOLIDATION_INTERVAL_SECONDS", 60))
-# Monitoring endpoints (/metrics/targets): loopback always; others with this bearer token or from these
+# Monitoring endpoints (/metrics, /metrics/targets): loopback always; others with this bearer token or from these
 # addresses / CIDR networks (comma-separated). Checked here, at start, so a typo fails loudly.
 WHALEZEN_METRICS_TOKEN = os.environ.get("WHALEZEN_METRICS_TOKEN", "")
 WHALEZEN_METRICS_ALLOW = os.environ.get("WHALEZEN_METRICS_ALLOW", "")
 for _network in filter(None, (n.strip() for n in WHALEZEN_METRICS_ALLOW.split(","))):
-    import ipaddress as _ipaddress
-
-    _ipaddress.ip_network(_network, strict=False)  # raises ValueError naming the bad entry
+    ipaddress.ip_network(_network, strict=False)  # raises ValueError naming the bad entry
 WHALEZEN_PREEMPTION_GRACE_SECONDS = float(os.environ.get("WHALEZEN_PREEMPTION_GRACE_SECONDS", 120))
 WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS = float(os.environ.get("WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS", 120))
 # Where the broker reads s3:// checkpoints to verify them (None: AWS itself; set for MinIO or moto).

@@ -279,8 +279,10 @@ def _cycle_wanted(*, tenant: Tenant, policy: sm.Policy, rules: MoveRules = MOVE_
 def tenants_to_schedule(policy: sm.Policy = BROKER_POLICY) -> list[Tenant]:
     """Tenants a cycle is due for (scheduling.moves.cycle_wanted): pending jobs, or (consolidating) jobs
     on rented capacity and no cycle for consolidation_interval_s."""
-    candidates = Q(jobs__state=JobState.PENDING)
+    pending = set(Job.objects.filter(state=JobState.PENDING).values_list("tenant_id", flat=True).distinct())
+    candidates = Q(pk__in=pending)
     if policy.consolidation:
         candidates |= Q(jobs__in=Job.objects.filter(_running_on_rented(Q())))
+    # A pending job wants a cycle already; only consolidation candidates ask cycle_wanted (the interval).
     return [tenant for tenant in Tenant.objects.filter(candidates).distinct()
-            if _cycle_wanted(tenant=tenant, policy=policy)]
+            if tenant.pk in pending or _cycle_wanted(tenant=tenant, policy=policy)]

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from bench.procs import live_processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -115,22 +117,6 @@ def kill_leftovers(var_dir: Path, *markers: str) -> None:
 def commands_with(marker: str) -> list[list[str]]:
     """argv of every live process whose command line holds `marker`."""
     return [argv for _, argv, _ in live_processes() if any(marker in arg for arg in argv)]
-
-
-def live_processes():
-    """(pid, argv, environ) of every live process but this one."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            if stat[stat.rfind(")") + 2:].split()[0] in ("Z", "X"):
-                continue
-            argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
-            environ = (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        yield int(proc.name), argv, environ
 
 
 def shared_tmp_dir() -> Path:
