@@ -71,6 +71,9 @@ class NodeState:
     # True for a cloud instance rented by the hour (paid whether busy or not; may be emptied and
     # released), False for owned capacity.
     rented: bool = False
+    # Teams (tenants) that may run here: the owner of the node's pool and the teams it is shared
+    # with. Empty = every team (a snapshot of one team's own nodes, the simulators).
+    tenants: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +199,37 @@ class TenantBudget:
     remaining_budget: float | None = None  # USD; None = unlimited
 
 
+# The flavor of a quota in compute units: it counts the CU of every owned GPU a team holds.
+CU_FLAVOR = "CU"
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaShare:
+    """A team's quota of one flavor of owned capacity, as a Kueue ClusterQueue has per flavor in a
+    cohort (scheduling/quota.py has the arithmetic). Quotas govern owned GPUs only: what a team
+    rents is bounded by its budget and the cloud pool's instance cap.
+
+    A flavor named by any QuotaShare is managed: a team without a row for it has nominal 0 and no
+    borrowing limit (it may use idle capacity, and gives it back when an owner needs it). A flavor
+    no row names is not limited by quotas at all (a team's own pool, before any quota is set)."""
+
+    tenant: str
+    flavor: str  # a GPU model name, or CU_FLAVOR
+    nominal: float  # guaranteed GPUs (or CU) of owned capacity
+    borrowing_limit: float | None = None  # most it may use above nominal; None = no limit
+    lending_limit: float | None = None  # most of its unused nominal others may borrow; None = all
+
+
+@dataclass(frozen=True, slots=True)
+class TeamUsage:
+    """A team's past use of one flavor, in GPU-hours (CU-hours for CU_FLAVOR) decayed with the
+    fair-share half-life: the U of Slurm's fair-share factor 2^(-U/S)."""
+
+    tenant: str
+    flavor: str
+    decayed_hours: float
+
+
 @dataclass(frozen=True, slots=True)
 class GpuModelInfo:
     name: str
@@ -259,6 +293,9 @@ class Snapshot:
     workload: tuple[WorkloadClass, ...] = ()
     # Shared instance caps of offer groups (pools); a group not listed has none.
     launch_limits: tuple[LaunchLimit, ...] = ()
+    # Teams' quotas of owned capacity and their decayed past usage (fair share).
+    quotas: tuple[QuotaShare, ...] = ()
+    usage: tuple[TeamUsage, ...] = ()
 
     def launch_limit_of(self) -> dict[str, int]:
         """Remaining launches per offer group (never negative)."""
@@ -282,6 +319,10 @@ class ReasonCode(str, Enum):
     PRICE_CEILING = "PRICE_CEILING"  # every fit costs more than max_price_per_hour
     PROVIDER_REGION = "PROVIDER_REGION"  # fits exist only outside allowed providers/regions
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"  # tenant GPU / CU quota would be exceeded
+    NO_POOL_ACCESS = "NO_POOL_ACCESS"  # fits exist only in pools the team has no access to
+    NOMINAL_QUOTA_USED = "NOMINAL_QUOTA_USED"  # nominal share used, and the cohort has too little idle
+    BORROWING_LIMIT = "BORROWING_LIMIT"  # would borrow past the team's borrowing limit
+    RECLAIMING = "RECLAIMING"  # borrowed jobs of other teams are checkpointing to return this share
     BUDGET_EXCEEDED = "BUDGET_EXCEEDED"  # tenant's remaining budget is below the cheapest fit
     OFFER_QUOTA = "OFFER_QUOTA"  # cloud offers fit but none can be launched (account quota)
     OUTRANKED = "OUTRANKED"  # fits alone, but capacity went to higher-priority jobs
@@ -351,6 +392,9 @@ class Preemption:
     for_job_id: str
     node_id: str
     lost_work_s: float
+    # "priority": a higher-priority job of the same team; "reclaim": the victim's team borrowed
+    # capacity that the pending job's team needs back for its nominal quota.
+    cause: str = "priority"
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,6 +438,7 @@ class Plan:
 
 DEFAULT_FILTERS: tuple[str, ...] = (
     "node_ready",
+    "pool_access",
     "provider_region",
     "gpu_model",
     "gpu_memory",
@@ -437,3 +482,10 @@ class Policy:
     consolidation: bool = True
     max_consolidation_moves: int = 8
     min_remaining_to_move_s: float = 1800.0
+    # Quotas (Snapshot.quotas; scheduling/quota.py): may a team borrow idle capacity beyond its
+    # nominal quota (False: strict quotas); is borrowed capacity taken back (checkpoint, then stop)
+    # when its owner needs it; are borrowers ordered by weighted, decayed dominant-resource fair
+    # share (False: by priority and age only, as Kueue's borrowing without fair sharing).
+    borrowing: bool = True
+    reclaim: bool = True
+    fair_share: bool = True
