@@ -124,6 +124,8 @@ class CloudOffer:
     # Offers of one pool (one account) share its instance cap: `Snapshot.launch_limits` says how
     # many more instances the group may launch, whatever their types. "" = no shared cap.
     launch_group: str = ""
+    # Teams that may rent through this offer's account; empty = every team.
+    tenants: tuple[str, ...] = ()
 
     @property
     def has_spot(self) -> bool:
@@ -450,6 +452,7 @@ DEFAULT_FILTERS: tuple[str, ...] = (
     "price_ceiling",
     "offer_quota",
     "tenant_quota",
+    "team_quota",
     "tenant_budget",
 )
 DEFAULT_SCORES: Mapping[str, float] = {"money": 1.0, "fragmentation": 1.0, "waiting": 1.0}
