@@ -282,6 +282,9 @@ WHALEZEN_METRICS_ALLOW = os.environ.get("WHALEZEN_METRICS_ALLOW", "")
 for _network in filter(None, (n.strip() for n in WHALEZEN_METRICS_ALLOW.split(","))):
     ipaddress.ip_network(_network, strict=False)  # raises ValueError naming the bad entry
 WHALEZEN_PREEMPTION_GRACE_SECONDS = float(os.environ.get("WHALEZEN_PREEMPTION_GRACE_SECONDS", 120))
+# Fair share (issue 11): a team's past GPU-hours on owned capacity count half after this many hours (Slurm's
+# PriorityDecayHalfLife, default 7 days).
+WHALEZEN_FAIR_SHARE_HALF_LIFE_HOURS = float(os.environ.get("WHALEZEN_FAIR_SHARE_HALF_LIFE_HOURS", 168))
 WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS = float(os.environ.get("WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS", 120))
 # Where the broker reads s3:// checkpoints to verify them (None: AWS itself; set for MinIO or moto).
 WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL = os.environ.get("WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL") or None

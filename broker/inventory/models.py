@@ -80,6 +80,26 @@ class Pool(models.Model):
         return f"{self.tenant}/{self.name}"
 
 
+class PoolGrant(models.Model):
+    """A team other than the pool's owner may use the pool: place jobs on its nodes and, for a cloud
+    pool, rent instances through it (the instances stay the owner's; the team's job holds their GPUs).
+
+    The owner (for a shared cluster the platform's own tenant) always may; a pool without grants is
+    its owner's alone, as every pool was before pools were shared. Grants also tie teams into one
+    scheduling component: one cycle decides for every team that can reach the same capacity."""
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="grants")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="pool_grants")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["pool", "tenant"], name="uniq_pool_grant")]
+        ordering = ["pool_id", "tenant_id"]
+
+    def __str__(self) -> str:
+        return f"{self.pool} -> {self.tenant}"
+
+
 class NodeState(models.TextChoices):
     ONLINE = "ONLINE", "Online"
     DRAINING = "DRAINING", "Draining"

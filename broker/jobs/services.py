@@ -15,6 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
+from broker.inventory.selectors import usable_pool_ids
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
 from broker.jobs.selectors import tenant_held_share
 from broker.jobs.spec import Demand, spec_to_json
@@ -194,9 +195,12 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
             node_ids = sorted({r.node.pk for r in requests})
             nodes = {n.pk: n for n in Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk")}
             Tenant.objects.select_for_update().filter(pk=job.tenant_id).first()  # serialises quota checks
+            # A team may run on its own pools' nodes and on those of pools shared with it (PoolGrant).
+            usable = usable_pool_ids(tenant_id=job.tenant_id, pool_ids={n.pool_id for n in nodes.values()})
             for node_id, node in nodes.items():
-                if node.tenant_id != job.tenant_id:
-                    raise JobError("A node of another tenant cannot be allocated.", field="node")
+                if node.pool_id not in usable:
+                    raise JobError(f"Node {node.name} is in a pool this team may not use.", field="node",
+                                   code="no_pool_access")
                 if node.state != NodeState.ONLINE:
                     raise JobError(f"Node {node.name} is {node.state}.", field="node")
             wanted: list[tuple[GpuRequest, list[Gpu]]] = []

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 from django.core.cache import cache
 from django.utils import timezone
 
 from broker.inventory.models import CloudInstance, InstanceState, OfferBlock, Pool, PoolKind
+from broker.inventory.selectors import pool_teams
 from broker.inventory.services import gpu_model_resolve
 from broker.provisioning.factory import provider_for_pool
 from broker.tenancy.models import Tenant
@@ -89,17 +91,32 @@ def pool_instances_capped(*, pool: Pool) -> int:
     return CloudInstance.objects.filter(pool=pool, state__in=CAPPED_INSTANCE_STATES).count()
 
 
-def pool_launch_limits(*, tenant: Tenant) -> tuple[sm.LaunchLimit, ...]:
-    """How many more instances each of the tenant's cloud pools may launch (all types together)."""
+def _owned_by(tenant: Tenant | None, tenants: Sequence[Tenant] | None) -> list[int]:
+    """The owners whose cloud pools a cycle rents through: one tenant, or a scheduling component's teams
+    (every pool a team of the component may use is owned by one of them)."""
+    return [t.pk for t in tenants] if tenants is not None else [tenant.pk] if tenant is not None else []
+
+
+def pool_launch_limits(*, tenant: Tenant | None = None,
+                       tenants: Sequence[Tenant] | None = None) -> tuple[sm.LaunchLimit, ...]:
+    """How many more instances each of the tenant's (or the component's) cloud pools may launch (all
+    types together)."""
     return tuple(sm.LaunchLimit(launch_group(pool), max(0, pool.max_instances - pool_instances_capped(pool=pool)))
-                 for pool in Pool.objects.filter(tenant=tenant, kind__in=CLOUD_KINDS).order_by("pk"))
+                 for pool in Pool.objects.filter(tenant_id__in=_owned_by(tenant, tenants), kind__in=CLOUD_KINDS)
+                 .order_by("pk"))
 
 
-def cloud_offers(*, tenant: Tenant) -> tuple[tuple[sm.CloudOffer, ...], dict[str, OfferRef]]:
+def cloud_offers(*, tenant: Tenant | None = None, tenants: Sequence[Tenant] | None = None
+                 ) -> tuple[tuple[sm.CloudOffer, ...], dict[str, OfferRef]]:
+    """Offers of the tenant's (or the component's) cloud pools. Each says which teams may rent through
+    it (`CloudOffer.tenants`: the pool's owner and the teams it is shared with)."""
     now = timezone.now()
     result: list[sm.CloudOffer] = []
     index: dict[str, OfferRef] = {}
-    for pool in Pool.objects.filter(tenant=tenant, enabled=True, kind__in=CLOUD_KINDS, max_instances__gt=0):
+    pools = list(Pool.objects.filter(tenant_id__in=_owned_by(tenant, tenants), enabled=True, kind__in=CLOUD_KINDS,
+                                     max_instances__gt=0).order_by("pk"))
+    teams_of_pool = pool_teams(pool.pk for pool in pools)
+    for pool in pools:
         launchable = max(0, pool.max_instances - pool_instances_capped(pool=pool))
         blocked = set(OfferBlock.objects.filter(pool=pool, until__gt=now)
                       .values_list("region", "zone", "instance_type"))
@@ -121,6 +138,7 @@ def cloud_offers(*, tenant: Tenant) -> tuple[tuple[sm.CloudOffer, ...], dict[str
                 launchable=launchable, nvlink="nvlink" in fabric or "nvswitch" in fabric,
                 fast_fabric=bool(fabric & FAST_FABRICS), vcpus=int(offer.vcpus),
                 memory_mb=int(offer.memory_gib * 1024), launch_group=launch_group(pool),
+                tenants=teams_of_pool.get(pool.pk, ()),
             ))
     result.sort(key=lambda o: o.id)
     return tuple(result), index

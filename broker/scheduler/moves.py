@@ -1,7 +1,7 @@
 """Where a job that is being moved can go: the engine, asked about that one job on the allowed nodes.
 
-A move goes to existing capacity of the job's tenant: a given node, a given pool, or anywhere but the
-node it leaves. The engine picks the GPUs (topology, fragmentation) exactly as for a pending job; the
+A move goes to existing capacity the job's tenant may use (its own pools and those shared with it):
+a given node, a given pool, or anywhere but the node it leaves. The engine picks the GPUs (topology, fragmentation) exactly as for a pending job; the
 broker commits them (`allocation_commit`) under the same database checks.
 """
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from broker.inventory.models import Gpu, Node
+from broker.inventory.models import Gpu
+from broker.inventory.selectors import nodes_usable_by
 from broker.jobs.models import Job
 from broker.jobs.selectors import held_share
 from broker.jobs.services import GpuRequest
@@ -46,7 +47,7 @@ def _without_own_share(budget: sm.TenantBudget, job: Job) -> sm.TenantBudget:
 
 def move_plan(*, job: Job, target: MoveTarget, leaving_node_id: int | None) -> MovePlan:
     """GPUs for `job` on the target (never on the node it leaves), or why there are none."""
-    nodes = Node.objects.filter(tenant=job.tenant).select_related("pool")
+    nodes = nodes_usable_by(job.tenant).select_related("pool")  # its own pools and those shared with it
     if target.node:
         nodes = nodes.filter(name=target.node)
     if target.pool:
@@ -57,7 +58,8 @@ def move_plan(*, job: Job, target: MoveTarget, leaving_node_id: int | None) -> M
     snapshot = tenant_snapshot(tenant=job.tenant)
     snapshot = dataclasses.replace(
         snapshot, nodes=tuple(n for n in snapshot.nodes if n.id in allowed), pending=(job_demand(job),),
-        running=(), offers=(), tenants=tuple(_without_own_share(b, job) for b in snapshot.tenants))
+        running=(), offers=(), tenants=tuple(_without_own_share(b, job) if b.tenant == job.tenant.slug else b
+                                             for b in snapshot.tenants))
     plan = schedule(snapshot, MOVE_POLICY)
     placement = plan.placement_for(str(job.pk))
     if placement is None:

@@ -1,5 +1,10 @@
 """The scheduling cycle as the broker runs it: snapshot → `scheduling.schedule` → commit the plan.
 
+A cycle decides for one scheduling component: every team connected to the given one through shared
+pools (broker.inventory.selectors.scheduling_components), on all the capacity they can reach, so one
+decision covers the teams that compete for the same GPUs (a team that shares nothing is alone in its
+component, as before). The component's lowest-id team holds the lease and the cycle's record.
+
 Each step of the commit is its own transaction through the job services, so a plan made from a
 snapshot that went stale (a job cancelled, a GPU taken meanwhile) loses only the conflicting parts;
 they are simply reconsidered next cycle.
@@ -18,7 +23,8 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from broker.inventory.models import Node, PoolKind
+from broker.inventory.models import Gpu, Node, PoolKind
+from broker.inventory.selectors import pool_team_ids, scheduling_component, scheduling_components
 from broker.jobs.checkpoints import committed_checkpoint
 from broker.jobs.migration import migration_request, open_migration
 from broker.jobs.models import Job, MigrationCause
@@ -28,8 +34,9 @@ from broker.provisioning.offers import OfferRef, cloud_offers, pool_launch_limit
 from broker.provisioning.services import InstanceCapReached, launch_request
 from broker.scheduler.models import CycleLease, CycleRecord
 from providers.local.processes import process_start_time
-from broker.scheduler.snapshot import tenant_snapshot
-from broker.tenancy.models import Tenant
+from broker.scheduler.snapshot import component_snapshot
+from broker.tenancy.models import CU_FLAVOR, TeamQuota, Tenant
+from broker.tenancy.services import fair_share_usage_update
 from scheduling import model as sm
 from scheduling.engine import schedule
 from scheduling.moves import MoveRules, cycle_wanted, move_policy
@@ -108,48 +115,100 @@ def _lease_release(tenant: Tenant, holder: str) -> None:
 
 
 def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -> CycleOutcome:
+    """One cycle for `tenant`'s scheduling component (every team sharing capacity with it)."""
+    component = scheduling_component(tenant)
+    lease_tenant = component[0]  # one lease per component, whichever of its teams asked for the cycle
     holder = lease_holder_name()
-    cycle_number = _lease_acquire(tenant, holder)
+    cycle_number = _lease_acquire(lease_tenant, holder)
     if cycle_number is None:
         return CycleOutcome(ran=False)
     try:
-        if not _cycle_wanted(tenant=tenant, policy=policy):
+        # Every cycle, wanted or not: the decay must follow the clock, not the cycles that placed something.
+        fair_share_usage_update(tenants=component)
+        if not _cycle_wanted(tenants=component, policy=policy):
             return CycleOutcome(ran=True)
-        offers, offer_index = cloud_offers(tenant=tenant)
-        snapshot = tenant_snapshot(tenant=tenant, seed=cycle_number, offers=offers,
-                                   launch_limits=pool_launch_limits(tenant=tenant))
+        offers, offer_index = cloud_offers(tenants=component)
+        snapshot = component_snapshot(tenants=component, seed=cycle_number, offers=offers,
+                                      launch_limits=pool_launch_limits(tenants=component))
         plan = schedule(snapshot, policy)
-        outcome = plan_commit(tenant=tenant, plan=plan, offer_index=offer_index)
+        outcome = plan_commit(tenant=tenant, plan=plan, offer_index=offer_index, tenants=component)
+        teams = f"teams {', '.join(t.slug for t in component)}; " if len(component) > 1 else ""
+        # One record per cycle (not per team): /metrics counts cycles and their solve times from these.
         CycleRecord.objects.create(
-            tenant=tenant, pending_jobs=len(snapshot.pending), placed_jobs=len(outcome.placed),
+            tenant=lease_tenant, pending_jobs=len(snapshot.pending), placed_jobs=len(outcome.placed),
             preempted_jobs=len(outcome.preempted), conflicts=len(outcome.conflicts), method=plan.solver.method,
             proven_optimal=plan.solver.proven_optimal, solve_seconds=plan.solver.solve_seconds,
-            objective=plan.solver.objective, note="; ".join(outcome.conflicts)[:2000],
+            objective=plan.solver.objective, note=(teams + "; ".join(outcome.conflicts))[:2000],
         )
         return outcome
     finally:
-        _lease_release(tenant, holder)
+        _lease_release(lease_tenant, holder)
 
 
-def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRef] | None = None) -> CycleOutcome:
+def _preemption_words(*, preemption: sm.Preemption, for_job: Job | None, node: Node | None) -> tuple[str, dict]:
+    """What a victim's events say about why it stops. A reclaim names the team that needs its share back
+    and never that team's job (another team's job ids are not the victim's business); a priority
+    preemption names the job of the victim's own team that takes its place."""
+    if getattr(preemption, "cause", "priority") != "reclaim":
+        return f"Preempted for job {preemption.for_job_id}", {"for_job": preemption.for_job_id}
+    team = for_job.tenant.slug if for_job is not None else "another team"
+    flavor = _reclaimed_flavor(for_job=for_job, node=node)
+    return (f"Reclaimed for team {team}'s nominal {flavor} quota",
+            {"cause": "reclaim", "for_team": team, "flavor": flavor})
+
+
+def _reclaimed_flavor(*, for_job: Job | None, node: Node | None) -> str:
+    """The quota flavor a reclaim gives back: the node's GPU model when the team has a quota of it, else
+    compute units when it has a CU quota, else the model."""
+    model = ""
+    if node is not None:
+        gpu = Gpu.objects.filter(node=node).select_related("model").order_by("index").first()
+        model = (gpu.model.name if gpu.model else gpu.model_name) if gpu is not None else ""
+    if for_job is not None:
+        flavors = set(TeamQuota.objects.filter(tenant_id=for_job.tenant_id).values_list("flavor", flat=True))
+        if model not in flavors and CU_FLAVOR in flavors:
+            return "compute-unit"
+    return model or "GPU"
+
+
+def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRef] | None = None,
+                tenants: list[Tenant] | None = None) -> CycleOutcome:
+    """Carry out a plan made for `tenant`'s component (`tenants`, looked up when not given): its jobs and
+    nodes are looked up across the component, and a placement, launch or move on a pool the job's team
+    may not use is refused (a conflict), whatever the plan says."""
     outcome = CycleOutcome(ran=True, plan=plan)
-    jobs = {str(j.pk): j for j in Job.objects.filter(tenant=tenant, pk__in=_job_ids(plan))}
-    nodes = {str(n.pk): n for n in Node.objects.filter(tenant=tenant)}
+    component = tenants if tenants is not None else scheduling_component(tenant)
+    tenant_ids = [t.pk for t in component]
+    jobs = {str(j.pk): j for j in Job.objects.filter(tenant_id__in=tenant_ids, pk__in=_job_ids(plan))
+            .select_related("tenant")}
+    nodes = {str(n.pk): n for n in Node.objects.filter(tenant_id__in=tenant_ids)}
+    access = pool_team_ids({n.pool_id for n in nodes.values()}
+                           | {ref.pool.pk for ref in (offer_index or {}).values()})
+
+    def may_use(job: Job, pool_id: int) -> bool:
+        return job.tenant_id in access.get(pool_id, frozenset())
 
     for preemption in plan.preemptions:
         victim = jobs.get(preemption.victim_job_id)
         if victim is None:
             continue
+        for_job = jobs.get(preemption.for_job_id)
+        reclaim = getattr(preemption, "cause", "priority") == "reclaim"
+        if not reclaim and for_job is not None and for_job.tenant_id != victim.tenant_id:
+            # Only a reclaim may take another team's job (docs/quotas.md); a plan saying otherwise is wrong.
+            outcome.conflicts.append(f"preempt {preemption.victim_job_id}: a priority preemption across teams")
+            continue
         if open_migration(victim) is not None:
             continue  # already being checkpointed for a move or an earlier preemption
+        why, why_data = _preemption_words(preemption=preemption, for_job=for_job,
+                                          node=nodes.get(preemption.node_id))
         if victim.state == JobState.RUNNING and victim.checkpoint_uri:
             # Ask it to checkpoint first; it is requeued once that is committed, or at the grace's end.
             grace = preemption_grace_seconds()
             try:
                 migration_request(job=victim, cause=MigrationCause.PREEMPTION,
                                   deadline=timezone.now() + timedelta(seconds=grace),
-                                  message=f"Preempted for job {preemption.for_job_id}: checkpoint requested; "
-                                          f"it stops within {grace:.0f} s.")
+                                  message=f"{why}: checkpoint requested; it stops within {grace:.0f} s.")
                 outcome.preempted.append(victim.pk)
             except JobError as exc:
                 outcome.conflicts.append(f"preempt {preemption.victim_job_id}: {exc}")
@@ -159,19 +218,20 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
                 resume = committed_checkpoint(victim)
                 how = (f"it resumes from step {resume.step}, its last committed checkpoint" if resume is not None
                        else "it has no checkpoint and restarts from the beginning")
-                victim = job_transition(job=victim, to=JobState.PREEMPTED, reason_code="PREEMPTED",
-                                        message=f"Preempted for job {preemption.for_job_id}; {how} "
-                                                f"({preemption.lost_work_s:,.0f} s of work lost).",
-                                        data={"for_job": preemption.for_job_id, "lost_work_s": preemption.lost_work_s},
+                victim = job_transition(job=victim, to=JobState.PREEMPTED,
+                                        reason_code="RECLAIMED" if reclaim else "PREEMPTED",
+                                        message=f"{why}; {how} ({preemption.lost_work_s:,.0f} s of work lost).",
+                                        data={**why_data, "lost_work_s": preemption.lost_work_s},
                                         stop_unconfirmed=True)
                 job_transition(job=victim, to=JobState.PENDING, reason_code="REQUEUED",
-                               message="Re-queued after preemption.")
+                               message="Re-queued: its borrowed capacity was reclaimed." if reclaim
+                               else "Re-queued after preemption.")
             outcome.preempted.append(victim.pk)
         except JobError as exc:
             outcome.conflicts.append(f"preempt {preemption.victim_job_id}: {exc}")
 
     for move in plan.migrations:
-        _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome)
+        _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome, may_use=may_use)
 
     for placement in plan.placements:
         job = jobs.get(placement.job_id)
@@ -180,7 +240,12 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
         requests = [GpuRequest(node=nodes[part.node_id], gpu_indices=part.gpu_indices, milli=part.gpu_milli)
                     for part in placement.parts if part.node_id in nodes]
         if len(requests) != len(placement.parts):
-            outcome.conflicts.append(f"job {job.pk}: a node of the plan is not this tenant's")
+            outcome.conflicts.append(f"job {job.pk}: a node of the plan is not one this cycle's teams reach")
+            continue
+        refused = [r.node.name for r in requests if not may_use(job, r.node.pool_id)]
+        if refused:
+            outcome.conflicts.append(f"job {job.pk}: team {job.tenant.slug} may not use the pool of "
+                                     f"{', '.join(refused)}")
             continue
         try:
             allocation_commit(job=job, requests=requests)
@@ -192,6 +257,13 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
         ref = (offer_index or {}).get(launch.offer_id)
         if ref is None:
             outcome.conflicts.append(f"launch {launch.launch_id}: unknown offer {launch.offer_id}")
+            continue
+        refused = [job_id for job_id in launch.job_ids
+                   if job_id in jobs and not may_use(jobs[job_id], ref.pool.pk)]
+        if refused:
+            # Nothing is rented for a team the pool is not shared with: the whole launch waits.
+            outcome.conflicts.append(f"launch {launch.launch_id}: pool {ref.pool.name} is not shared with the "
+                                     f"team of job(s) {', '.join(refused)}")
             continue
         try:
             result = launch_request(launch=launch, ref=ref, plan=plan, jobs=jobs)
@@ -225,13 +297,17 @@ _MOVE_CAUSES = {"defragmentation": MigrationCause.DEFRAGMENTATION, "cheaper": Mi
                 "consolidation": MigrationCause.CONSOLIDATION}
 
 
-def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], outcome: CycleOutcome) -> None:
+def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], outcome: CycleOutcome,
+                may_use=lambda job, pool_id: True) -> None:
     """One move the engine planned, started as a checkpointed migration to the node it chose."""
     if job is None or job.state != JobState.RUNNING or open_migration(job) is not None:
         return
     target = nodes.get(move.to.node_id or "")
     if target is None:  # a move onto an instance still to launch: not carried out by the broker yet
         outcome.conflicts.append(f"move {job.pk}: target {move.to.launch_id or move.to.node_id} is not a node")
+        return
+    if not may_use(job, target.pool_id):
+        outcome.conflicts.append(f"move {job.pk}: team {job.tenant.slug} may not use the pool of {target.name}")
         return
     cause = _MOVE_CAUSES.get(move.reason.split(":")[0].strip().lower(), MigrationCause.DEFRAGMENTATION)
     why = f" to make room for job {move.for_job_id}" if move.for_job_id else ""
@@ -265,24 +341,33 @@ def _running_on_rented(tenant_filter: Q) -> Q:
         allocations__node__pool__kind=PoolKind.ONPREM)
 
 
-def _cycle_wanted(*, tenant: Tenant, policy: sm.Policy, rules: MoveRules = MOVE_RULES) -> bool:
-    """scheduling.moves.cycle_wanted for one tenant: something pending, or consolidation due."""
-    if Job.objects.filter(tenant=tenant, state=JobState.PENDING).exists():
+def _cycle_wanted(*, tenants: list[Tenant], policy: sm.Policy, rules: MoveRules = MOVE_RULES) -> bool:
+    """scheduling.moves.cycle_wanted for one component: something pending, or consolidation due."""
+    ids = [t.pk for t in tenants]
+    if Job.objects.filter(tenant_id__in=ids, state=JobState.PENDING).exists():
         return True
-    last = CycleRecord.objects.filter(tenant=tenant).values_list("started_at", flat=True).first()
+    last = CycleRecord.objects.filter(tenant_id__in=ids).values_list("started_at", flat=True).first()
     return cycle_wanted(
-        pending=False, running_on_rented=Job.objects.filter(_running_on_rented(Q(tenant=tenant))).exists(),
+        pending=False, running_on_rented=Job.objects.filter(_running_on_rented(Q(tenant_id__in=ids))).exists(),
         seconds_since_last_cycle=None if last is None else (timezone.now() - last).total_seconds(),
         rules=rules, policy=policy)
 
 
 def tenants_to_schedule(policy: sm.Policy = BROKER_POLICY) -> list[Tenant]:
-    """Tenants a cycle is due for (scheduling.moves.cycle_wanted): pending jobs, or (consolidating) jobs
-    on rented capacity and no cycle for consolidation_interval_s."""
+    """One tenant per scheduling component a cycle is due for (scheduling.moves.cycle_wanted): pending
+    jobs, or (consolidating) jobs on rented capacity and no cycle for consolidation_interval_s. The
+    tenant named is the component's lowest-id team; its cycle covers the whole component."""
     pending = set(Job.objects.filter(state=JobState.PENDING).values_list("tenant_id", flat=True).distinct())
-    candidates = Q(pk__in=pending)
+    candidates = set(pending)
     if policy.consolidation:
-        candidates |= Q(jobs__in=Job.objects.filter(_running_on_rented(Q())))
-    # A pending job wants a cycle already; only consolidation candidates ask cycle_wanted (the interval).
-    return [tenant for tenant in Tenant.objects.filter(candidates).distinct()
-            if tenant.pk in pending or _cycle_wanted(tenant=tenant, policy=policy)]
+        candidates |= set(Job.objects.filter(_running_on_rented(Q())).values_list("tenant_id", flat=True).distinct())
+    if not candidates:
+        return []
+    due: list[int] = []
+    for members in scheduling_components(candidates):
+        # A pending job wants a cycle already; only consolidation candidates ask cycle_wanted (the interval).
+        if pending & set(members) or _cycle_wanted(tenants=list(Tenant.objects.filter(pk__in=members)),
+                                                   policy=policy):
+            due.append(members[0])
+    by_id = Tenant.objects.in_bulk(due)
+    return [by_id[tenant_id] for tenant_id in due]

@@ -1,7 +1,10 @@
-"""Selector: turn one tenant's slice of the database into a `scheduling.Snapshot`.
+"""Selector: turn one scheduling component's slice of the database into a `scheduling.Snapshot`.
 
-Tenants never share nodes, so each tenant is scheduled on its own: its ONLINE nodes, its running
-allocations, its pending jobs, its quota and month-to-date spend.
+A component is the set of teams connected through shared pools (broker.inventory.selectors
+.scheduling_components); a team that shares nothing is a component of its own. One snapshot holds
+every node of the component's pools, each saying which teams may use it (`NodeState.tenants`: the
+pool's owner and grantees), the running allocations and pending jobs of all its teams, each team's
+budget, its quotas of owned capacity (TeamQuota) and its decayed past usage (FairShareUsage).
 """
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ from django.db.models import Prefetch
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, GpuModel, Node, NodeState, PoolKind
+from broker.inventory.selectors import pool_teams, scheduling_component
 from broker.jobs.models import Allocation, AllocationSlice, Checkpoint, CheckpointState, Job
 from broker.jobs.selectors import tenant_held_share
 from broker.jobs.states import ACTIVE_STATES, JobState
 from broker.scheduler.spend import month_to_date_spend
-from broker.tenancy.models import Quota, Tenant
+from broker.tenancy.models import FairShareUsage, Quota, TeamQuota, Tenant
 from scheduling import model as sm
 
 MILLI_PER_SLOT = 1000 // Gpu.SLOTS
@@ -78,13 +82,25 @@ def _gpu_state(gpu: Gpu, slots_used: int) -> sm.GpuState:
 def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = None,
                     offers: tuple[sm.CloudOffer, ...] = (),
                     launch_limits: tuple[sm.LaunchLimit, ...] = ()) -> sm.Snapshot:
+    """The snapshot of `tenant`'s scheduling component (the tenant alone when it shares no pool)."""
+    return component_snapshot(tenants=scheduling_component(tenant), seed=seed, now=now, offers=offers,
+                              launch_limits=launch_limits)
+
+
+def component_snapshot(*, tenants: list[Tenant], seed: int = 0, now: datetime | None = None,
+                       offers: tuple[sm.CloudOffer, ...] = (),
+                       launch_limits: tuple[sm.LaunchLimit, ...] = ()) -> sm.Snapshot:
     now = now or timezone.now()
+    tenant_ids = [t.pk for t in tenants]
     slots_by_gpu: dict[int, int] = defaultdict(int)
-    for gpu_id in AllocationSlice.objects.filter(active=True, gpu__node__tenant=tenant).values_list("gpu_id", flat=True):
+    # Every pool a team of the component may use is owned by a team of the component (the owner is
+    # joined to its grantees), so "nodes of the component's tenants" is all the capacity it reaches.
+    for gpu_id in AllocationSlice.objects.filter(active=True, gpu__node__tenant_id__in=tenant_ids).values_list(
+            "gpu_id", flat=True):
         slots_by_gpu[gpu_id] += 1
 
     allocations = list(
-        Allocation.objects.filter(active=True, node__tenant=tenant, job__state__in=ACTIVE_STATES)
+        Allocation.objects.filter(active=True, node__tenant_id__in=tenant_ids, job__state__in=ACTIVE_STATES)
         .select_related("job", "job__tenant")
         .prefetch_related(Prefetch("slices", queryset=AllocationSlice.objects.filter(active=True).select_related("gpu")))
     )
@@ -94,9 +110,11 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
         used_cpu[alloc.node_id] += alloc.job.cpu_milli
         used_mem[alloc.node_id] += alloc.job.memory_mb
 
+    node_rows = list(Node.objects.filter(tenant_id__in=tenant_ids).select_related("pool__tenant").prefetch_related(
+        Prefetch("gpus", queryset=Gpu.objects.select_related("model").order_by("index"))))
+    teams_of_pool = pool_teams({node.pool_id for node in node_rows})
     nodes = []
-    for node in Node.objects.filter(tenant=tenant).select_related("pool").prefetch_related(
-            Prefetch("gpus", queryset=Gpu.objects.select_related("model").order_by("index"))):
+    for node in node_rows:
         fabric = str(node.labels.get("fabric", "")).lower()
         nodes.append(sm.NodeState(
             id=str(node.pk), name=node.name,
@@ -104,16 +122,18 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
             cpu_milli=node.cpu_milli, memory_mb=node.memory_mb,
             free_cpu_milli=max(0, node.cpu_milli - used_cpu[node.pk]),
             free_memory_mb=max(0, node.memory_mb - used_mem[node.pk]),
-            pool=node.pool.name, provider=node.pool.kind, region=node.pool.region,
+            pool=_pool_label(node.pool, len(tenants)), provider=node.pool.kind, region=node.pool.region,
             labels={str(k): str(v) for k, v in node.labels.items()},
             state="ready" if node.state == NodeState.ONLINE and node.pool.enabled else node.state.lower(),
             price_per_gpu_hour=_price_per_gpu_hour(node.pool),
             fast_fabric=fabric in FAST_FABRIC_LABELS,
             rented=node.pool.kind != PoolKind.ONPREM,
+            tenants=teams_of_pool.get(node.pool_id, (node.pool.tenant.slug,)),
         ))
 
     latest_checkpoint: dict[int, datetime] = {}
-    for job_id, committed_at in (Checkpoint.objects.filter(job__tenant=tenant, state=CheckpointState.COMMITTED)
+    for job_id, committed_at in (Checkpoint.objects.filter(job__tenant_id__in=tenant_ids,
+                                                           state=CheckpointState.COMMITTED)
                                  .order_by("job_id", "committed_at").values_list("job_id", "committed_at")):
         latest_checkpoint[job_id] = committed_at
     running = []
@@ -126,7 +146,7 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
         ckpt = latest_checkpoint.get(job.pk)
         running.append(sm.RunningAllocation(
             job_id=str(job.pk), node_id=str(alloc.node_id), gpu_indices=indices,
-            gpu_milli=min(1000, slots_per_gpu * MILLI_PER_SLOT), tenant=tenant.slug, priority=job.priority,
+            gpu_milli=min(1000, slots_per_gpu * MILLI_PER_SLOT), tenant=job.tenant.slug, priority=job.priority,
             preemptible=job.preemptible, checkpointable=bool(job.spec.get("checkpoint")),
             run_seconds=max(0.0, (now - started).total_seconds()),
             checkpoint_age_s=(now - ckpt).total_seconds() if ckpt else None,
@@ -134,15 +154,38 @@ def tenant_snapshot(*, tenant: Tenant, seed: int = 0, now: datetime | None = Non
             demand=job_demand(job) if job.preemptible and job.spec.get("checkpoint") else None,
         ))
 
-    pending = tuple(job_demand(j) for j in Job.objects.filter(tenant=tenant, state=JobState.PENDING)
+    pending = tuple(job_demand(j) for j in Job.objects.filter(tenant_id__in=tenant_ids, state=JobState.PENDING)
                     .select_related("tenant").order_by("created_at", "id"))
     return sm.Snapshot(
         now=now.timestamp(), nodes=tuple(nodes), pending=pending, running=tuple(running), offers=offers,
-        tenants=(tenant_budget(tenant=tenant, now=now),),
+        tenants=tuple(tenant_budget(tenant=tenant, now=now) for tenant in tenants),
         gpu_models=tuple(sm.GpuModelInfo(m.name, float(m.compute_units), m.memory_gb * 1024)
                          for m in GpuModel.objects.all()),
         seed=seed, launch_limits=launch_limits,
+        quotas=component_quotas(tenant_ids=tenant_ids), usage=component_usage(tenant_ids=tenant_ids),
     )
+
+
+def _pool_label(pool, team_count: int) -> str:
+    """The engine's pool name of a node: the pool's own name when one team is scheduled (as before), else
+    owner/name, since two teams' pools are often both called "onprem" and the engine groups by it."""
+    return pool.name if team_count == 1 else f"{pool.tenant.slug}/{pool.name}"
+
+
+def component_quotas(*, tenant_ids: list[int]) -> tuple[sm.QuotaShare, ...]:
+    return tuple(
+        sm.QuotaShare(tenant=q.tenant.slug, flavor=q.flavor, nominal=float(q.nominal),
+                      borrowing_limit=float(q.borrowing_limit) if q.borrowing_limit is not None else None,
+                      lending_limit=float(q.lending_limit) if q.lending_limit is not None else None)
+        for q in TeamQuota.objects.filter(tenant_id__in=tenant_ids).select_related("tenant").order_by("tenant_id",
+                                                                                                     "flavor"))
+
+
+def component_usage(*, tenant_ids: list[int]) -> tuple[sm.TeamUsage, ...]:
+    return tuple(
+        sm.TeamUsage(tenant=u.tenant.slug, flavor=u.flavor, decayed_hours=u.decayed_hours)
+        for u in FairShareUsage.objects.filter(tenant_id__in=tenant_ids).select_related("tenant")
+        .order_by("tenant_id", "flavor"))
 
 
 def tenant_budget(*, tenant: Tenant, now: datetime) -> sm.TenantBudget:

@@ -1,15 +1,22 @@
 """Writes for tenants, memberships and API tokens."""
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal, InvalidOperation
+from typing import Sequence
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Count, Sum
 from django.utils import timezone
 
 from broker.tenancy import tokens
-from broker.tenancy.models import ApiToken, Membership, Quota, Role, Tenant, TokenScope
+from broker.tenancy.models import (CU_FLAVOR, ApiToken, FairShareUsage, Membership, Quota, Role, TeamQuota, Tenant,
+                                   TokenScope)
 
 
 @dataclass(frozen=True)
@@ -71,3 +78,136 @@ def api_token_authenticate(*, presented: str) -> ApiToken | None:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
         token.last_used_at = now
     return token
+
+
+# ------------------------------------------------------------------------------------ team quotas
+
+
+class QuotaError(Exception):
+    """A refused quota change; `field` names the bad input (for a 400 body or a CommandError)."""
+
+    def __init__(self, message: str, *, field: str = "non_field_errors") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _decimal(value: Decimal | float | int | str | None, *, field: str) -> Decimal | None:
+    if value is None:
+        return None
+    try:
+        number = Decimal(str(value))
+    except (InvalidOperation, ValueError):
+        raise QuotaError(f"{field} must be a number, not {str(value)[:20]!r}.", field=field) from None
+    if not number.is_finite():
+        raise QuotaError(f"{field} must be a finite number.", field=field)
+    return number
+
+
+def quota_flavor_resolve(flavor: str) -> str:
+    """The canonical flavor for what an admin wrote: "CU" (any case), or a GPU model's name (or alias)."""
+    from broker.inventory.services import gpu_model_resolve  # inventory imports tenancy: not at module level
+
+    if flavor.strip().upper() == CU_FLAVOR:
+        return CU_FLAVOR
+    model = gpu_model_resolve(flavor)
+    if model is None:
+        from broker.inventory.models import GpuModel
+
+        known = ", ".join(GpuModel.objects.values_list("name", flat=True)) or "none defined"
+        raise QuotaError(f'Unknown flavor {flavor[:64]!r}: use "{CU_FLAVOR}" or a GPU model ({known}).',
+                         field="flavor")
+    return model.name
+
+
+def team_quota_set(*, tenant: Tenant, flavor: str, nominal: Decimal | float | int | str,
+                   borrowing_limit: Decimal | float | int | str | None = None,
+                   lending_limit: Decimal | float | int | str | None = None) -> TeamQuota:
+    """Create or replace the team's quota of one flavor (a limit left out means "none": no borrowing
+    cap, all of nominal lendable). Validated as a whole before anything is written."""
+    canonical = quota_flavor_resolve(flavor)
+    quota = TeamQuota.objects.filter(tenant=tenant, flavor=canonical).first() or TeamQuota(tenant=tenant,
+                                                                                           flavor=canonical)
+    quota.nominal = _decimal(nominal, field="nominal")
+    quota.borrowing_limit = _decimal(borrowing_limit, field="borrowing_limit")
+    quota.lending_limit = _decimal(lending_limit, field="lending_limit")
+    try:
+        quota.full_clean(exclude=["tenant"], validate_unique=False, validate_constraints=False)
+    except ValidationError as exc:
+        field, messages = next(iter(exc.message_dict.items()))
+        raise QuotaError(" ".join(messages), field=field) from None
+    with transaction.atomic():
+        quota.save()
+    return quota
+
+
+def team_quota_delete(*, tenant: Tenant, flavor: str) -> bool:
+    """Remove the team's quota of a flavor; False when it had none."""
+    deleted, _ = TeamQuota.objects.filter(tenant=tenant, flavor=quota_flavor_resolve(flavor)).delete()
+    return bool(deleted)
+
+
+# ------------------------------------------------------------------------------------- fair share
+
+
+def fair_share_half_life_hours() -> float:
+    return float(getattr(settings, "WHALEZEN_FAIR_SHARE_HALF_LIFE_HOURS", 168.0))
+
+
+def decayed_usage(*, previous: float, held: float, seconds: float, half_life_hours: float) -> float:
+    """U after `seconds` more: the old usage halves every half-life, plus what was held meanwhile.
+
+    U <- U * 2^(-dt/H) + held * dt / 3600, with dt and H in seconds and `held` in GPUs (or CU): the
+    holdings at update time stand for the whole interval (one cycle), Slurm's decay in discrete steps."""
+    seconds = max(0.0, seconds)
+    decay = 2.0 ** (-seconds / (half_life_hours * 3600.0)) if half_life_hours > 0 else 0.0
+    return previous * decay + held * seconds / 3600.0
+
+
+def owned_holdings(*, tenant_ids: Sequence[int]) -> dict[tuple[int, str], float]:
+    """GPUs (per model) and compute units ("CU") the teams' active jobs hold now on owned nodes: what
+    fair share counts (rented capacity is paid for, not shared)."""
+    from broker.inventory.models import Gpu, PoolKind
+    from broker.jobs.models import AllocationSlice
+    from broker.jobs.states import ACTIVE_STATES
+
+    held: dict[tuple[int, str], float] = defaultdict(float)
+    rows = (AllocationSlice.objects.filter(active=True, allocation__job__tenant_id__in=list(tenant_ids),
+                                           allocation__job__state__in=ACTIVE_STATES,
+                                           gpu__node__pool__kind=PoolKind.ONPREM)
+            .values("allocation__job__tenant_id", "gpu__model__name", "gpu__model_name")
+            .annotate(slots=Count("id"), cu=Sum("gpu__model__compute_units")))
+    for row in rows:
+        tenant_id = row["allocation__job__tenant_id"]
+        held[tenant_id, row["gpu__model__name"] or row["gpu__model_name"]] += row["slots"] / Gpu.SLOTS
+        held[tenant_id, CU_FLAVOR] += float(row["cu"] or 0) / Gpu.SLOTS
+    return held
+
+
+def fair_share_usage_update(*, tenants: Sequence[Tenant], now: datetime | None = None,
+                            half_life_hours: float | None = None) -> dict[tuple[str, str], float]:
+    """Decay every (team, flavor) usage of these teams to `now` and add what they hold on owned nodes
+    (`decayed_usage`). A flavor seen for the first time starts at 0 from now: there is no interval to
+    charge yet. Called once per scheduling cycle under the component's lease (one writer); the rows
+    are locked anyway, so a stray second caller waits and adds only its own (short) interval."""
+    now = now or timezone.now()
+    half_life = fair_share_half_life_hours() if half_life_hours is None else half_life_hours
+    ids = [t.pk for t in tenants]
+    slug = {t.pk: t.slug for t in tenants}
+    result: dict[tuple[str, str], float] = {}
+    with transaction.atomic():
+        existing = {(row.tenant_id, row.flavor): row
+                    for row in FairShareUsage.objects.select_for_update().filter(tenant_id__in=ids)}
+        held = owned_holdings(tenant_ids=ids)
+        for key in sorted(set(existing) | set(held)):
+            row = existing.get(key)
+            if row is None:
+                row = FairShareUsage.objects.create(tenant_id=key[0], flavor=key[1], decayed_hours=0.0, updated_at=now)
+            else:
+                seconds = (now - row.updated_at).total_seconds()
+                if seconds > 0:  # a clock step back charges nothing rather than a negative interval
+                    row.decayed_hours = decayed_usage(previous=row.decayed_hours, held=held.get(key, 0.0),
+                                                      seconds=seconds, half_life_hours=half_life)
+                    row.updated_at = now
+                    row.save(update_fields=["decayed_hours", "updated_at"])
+            result[slug[key[0]], key[1]] = row.decayed_hours
+    return result
