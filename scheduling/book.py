@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, JobDemand, Launch, Placement, PlacementPart, TenantBudget
 from scheduling.packer import TargetPacker
+from scheduling.plugins import owned
+from scheduling.quota import QuotaLedger
 from scheduling.problem import Problem
 from scheduling.targets import Target, offer_node
 
@@ -64,6 +66,8 @@ class Book:
         self.group_left: dict[str, int] = problem.snapshot.launch_limit_of()
         self.allowances: dict[str, Allowance] = {
             name: allowance_for(budget) for name, budget in problem.ctx.tenants.items()}
+        # Teams' use of owned capacity against their quotas, charged by every placement here.
+        self.quota: QuotaLedger | None = problem.ctx.quota.copy() if problem.ctx.quota is not None else None
         self.placements: dict[str, Placement] = {}
         self.packers: dict[int, TargetPacker] = {}
         self.packer_instances: dict[int, list[Instance]] = {}
@@ -158,10 +162,12 @@ class Book:
         and return its slots so `commit` can put it back exactly as it was."""
         placement = self.placements.pop(job.job_id)
         allowance = self.allowances.get(job.tenant)
+        pricing = self.problem.pricing
         if allowance is not None:
-            pricing = self.problem.pricing
             allowance.charge(-pricing.gpu_share(job, target.gpu_model), -pricing.compute_units(job, target.gpu_model),
                              -pricing.money(job, target))
+        if self.quota is not None and owned(target):
+            self.quota.charge(job, target.gpu_model, pricing.gpu_share(job, target.gpu_model), -1.0)
         slots = []
         for placed in placement.parts:
             cap, instance = self.capacity_of(placed)
@@ -225,10 +231,15 @@ class Book:
     # ---------------------------------------------------------------------------------- placing
 
     def admits(self, job: JobDemand, target: Target) -> bool:
+        pricing = self.problem.pricing
+        if self.quota is not None and owned(target):
+            ctx = self.problem.ctx
+            if not self.quota.admits(job, target.gpu_model, pricing.gpu_share(job, target.gpu_model),
+                                     nominal_only=ctx.nominal_only, borrowing=ctx.borrowing):
+                return False
         allowance = self.allowances.get(job.tenant)
         if allowance is None:
             return True
-        pricing = self.problem.pricing
         return allowance.admits(pricing.gpu_share(job, target.gpu_model),
                                 pricing.compute_units(job, target.gpu_model), pricing.money(job, target))
 
@@ -240,6 +251,8 @@ class Book:
         if allowance is not None:
             allowance.charge(pricing.gpu_share(job, target.gpu_model),
                              pricing.compute_units(job, target.gpu_model), pricing.money(job, target))
+        if self.quota is not None and owned(target):
+            self.quota.charge(job, target.gpu_model, pricing.gpu_share(job, target.gpu_model))
         parts = []
         for cap, positions, instance in slots:
             if not part.fractional:  # a whole GPU's free memory is zeroed: keep it for `unplace`

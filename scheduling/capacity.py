@@ -63,7 +63,8 @@ class NodeCapacity:
         # jobs that some members could hold (a wrong "does not fit" is worse than a bigger model).
         return (
             node.provider, node.region, node.pool, node.fast_fabric, node.price_per_gpu_hour,
-            node.state, self.schedulable, canonical, self.free_cpu, self.free_mem,
+            node.state, self.schedulable, canonical, self.free_cpu, self.free_mem, node.rented,
+            tuple(sorted(node.tenants)),
         )
 
     # ---------------------------------------------------------------------------- GPU choice

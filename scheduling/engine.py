@@ -5,14 +5,20 @@
    greedily) and the greedy placer and keeps the better under one objective; "milp" keeps the
    MILP's answer; "greedy" and "exact" (per-node model) run alone. `Plan.solver` says which
    answer was used, whether it was proven optimal, and why.
-3. For jobs still held back by capacity: preemption plan, then defragmentation plan.
+   Under quotas (`Snapshot.quotas`, scheduling/quota.py) placing runs in two phases, as Kueue
+   admits workloads that do not borrow before those that do: first every team's jobs on owned
+   capacity within its unused nominal quota (no launches), then the rest, borrowing idle owned
+   capacity (fair share orders the borrowers) or renting, on what the first phase left.
+3. For jobs still held back by capacity: reclaim of borrowed capacity for jobs within their
+   team's nominal quota, preemption plan (within a team), then defragmentation plan.
 4. Consolidation: empty rented instances whose jobs cost less elsewhere.
-5. Explain every job left pending.
+5. Explain every job left pending; under quotas each reason also names the job's quota step.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from scheduling.book import Book
 from scheduling.capacity import NodeCapacity
@@ -23,10 +29,13 @@ from scheduling.greedy import place_greedily
 from scheduling.improve import improve
 from scheduling.mapping import map_solution
 from scheduling.milp import build_and_solve
-from scheduling.model import Migration, Plan, Policy, Preemption, Reason, ReasonCode, Snapshot, SolverInfo
+from scheduling.model import (
+    Migration, Placement, Plan, Policy, Preemption, Reason, ReasonCode, Snapshot, SolverInfo,
+)
 from scheduling.objective import evaluate
-from scheduling.preemption import plan_preemptions
-from scheduling.problem import Problem, build_problem
+from scheduling.preemption import plan_preemptions, plan_reclaims
+from scheduling.problem import Problem, build_problem, workload_classes
+from scheduling.quota_reasons import annotate_quota_steps
 
 # Share of the cycle's time limit the MILP may use (LP, phase two, full model).
 MILP_SHARE = 0.5
@@ -39,17 +48,21 @@ MAX_MILP_PAIRS = 40_000
 # planners check every node themselves.
 NOT_CAPACITY_CODES = frozenset({
     ReasonCode.INVALID_DEMAND, ReasonCode.QUOTA_EXCEEDED, ReasonCode.BUDGET_EXCEEDED,
+    ReasonCode.BORROWING_LIMIT, ReasonCode.NO_POOL_ACCESS,
 })
 
 
 def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
     started = time.perf_counter()
     policy = policy or Policy()
-    problem = build_problem(snapshot, policy)
-    original = [cap.copy() for cap in problem.capacities]
-    book, info = place(problem, original, started)
+    nominal_placements: dict[str, Placement] = {}
+    if snapshot.quotas:
+        problem, book, info, nominal_placements = _place_in_quota_phases(snapshot, policy, started)
+    else:
+        problem = build_problem(snapshot, policy)
+        book, info = place(problem, [cap.copy() for cap in problem.capacities], started)
 
-    pending = [job.job_id for job in sorted(snapshot.pending, key=lambda j: (j.submitted_at, j.job_id))
+    pending = [job.job_id for job in sorted(problem.snapshot.pending, key=lambda j: (j.submitted_at, j.job_id))
                if job.job_id not in book.placements]
     reasons: dict[str, Reason] = explain_pending(problem, book, pending)
     # Not for jobs held back by quota, budget or an invalid demand, nor those for which waiting
@@ -58,9 +71,14 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
                and not reasons[job_id].data.get("waiting_cheaper")]
     preemptions: tuple[Preemption, ...] = ()
     migrations: tuple[Migration, ...] = ()
+    if book.quota is not None and policy.reclaim and blocked:
+        preemptions = plan_reclaims(problem, book, blocked)
+        _explain_reclaims(problem, reasons, preemptions)
+        blocked = [job_id for job_id in blocked if reasons[job_id].code != ReasonCode.RECLAIMING]
     if policy.preemption and blocked:
-        preemptions = plan_preemptions(problem, book, blocked)
-        _explain_preemptions(reasons, preemptions)
+        priority = plan_preemptions(problem, book, blocked)
+        _explain_preemptions(reasons, priority)
+        preemptions += priority
     if policy.defragmentation and blocked:
         waiting = [j for j in blocked if reasons[j].code != ReasonCode.WAITING_FOR_PREEMPTION]
         migrations = plan_defragmentation(problem, book, waiting)
@@ -73,12 +91,58 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
         migrations += plan_consolidation(problem, book, busy, budget)
 
     book.compact_instances()
-    placements = tuple(book.placements[j.job_id] for j in sorted(snapshot.pending, key=lambda j: j.job_id)
-                       if j.job_id in book.placements)
+    if book.quota is not None:
+        annotate_quota_steps(problem, book, reasons)
+    placed = {**nominal_placements, **book.placements}
+    placements = tuple(placed[j.job_id] for j in sorted(snapshot.pending, key=lambda j: j.job_id)
+                       if j.job_id in placed)
     info = SolverInfo(info.method, info.proven_optimal, time.perf_counter() - started, info.objective,
                       info.solver, info.status, info.variables, info.note)
     return Plan(placements=placements, launches=book.launches(), preemptions=preemptions,
                 migrations=migrations, pending=dict(sorted(reasons.items())), solver=info)
+
+
+def _place_in_quota_phases(snapshot: Snapshot, policy: Policy, started: float
+                           ) -> tuple[Problem, Book, SolverInfo, dict[str, Placement]]:
+    """Step 2 under quotas: the nominal phase, then the borrowing-and-renting phase on what it left
+    (each with half the cycle's time). Returns the second phase's problem and book (what the
+    planners and explanations work on), its solver info and the first phase's placements."""
+    halved = replace(policy, time_limit_s=policy.time_limit_s * 0.5)
+    # Both phases measure fragmentation against the whole queue's task mix.
+    workload = snapshot.workload or workload_classes(snapshot)
+    first = build_problem(replace(snapshot, offers=(), launch_limits=(), workload=workload), halved,
+                          nominal_only=True)
+    if first.ctx.quota is None:  # quotas name no flavor this snapshot has: one phase as usual
+        problem = build_problem(snapshot, policy)
+        book, info = place(problem, [cap.copy() for cap in problem.capacities], started)
+        return problem, book, info, {}
+    first_book, first_info = place(first, [cap.copy() for cap in first.capacities], started)
+    rest = tuple(job for job in snapshot.pending if job.job_id not in first_book.placements)
+    problem = build_problem(replace(snapshot, pending=rest, workload=workload), halved,
+                            capacities=first_book.caps, quota=first_book.quota)
+    book, info = place(problem, [cap.copy() for cap in problem.capacities], started)
+    problem.policy = policy  # the planners after placing use the cycle's own policy
+    note = f"nominal phase placed {len(first_book.placements)} ({first_info.method})"
+    info = SolverInfo(info.method, info.proven_optimal and first_info.proven_optimal, info.solve_seconds,
+                      (info.objective or 0.0) + (first_info.objective or 0.0), info.solver or first_info.solver,
+                      info.status, info.variables + first_info.variables,
+                      f"{note}; {info.note}" if info.note else note)
+    return problem, book, info, dict(first_book.placements)
+
+
+def _explain_reclaims(problem: Problem, reasons: dict[str, Reason], preemptions: tuple[Preemption, ...]) -> None:
+    team_of = {a.job_id: a.tenant for a in problem.snapshot.running}
+    for job_id in dict.fromkeys(p.for_job_id for p in preemptions):
+        mine = [p for p in preemptions if p.for_job_id == job_id]
+        victims = [p.victim_job_id for p in mine]
+        teams = sorted({team_of.get(v, "") for v in victims})
+        before = reasons[job_id]
+        team = problem.jobs_by_id[job_id].tenant
+        reasons[job_id] = Reason(
+            ReasonCode.RECLAIMING,
+            f"RECLAIMING: {len(victims)} borrowed job(s) of {', '.join(teams)} on {mine[0].node_id} are "
+            f"checkpointing to return {team}'s nominal share; before: {before.message}",
+            {"victims": victims, "victim_teams": teams, "node_id": mine[0].node_id, "previous": before.code.value})
 
 
 def _explain_preemptions(reasons: dict[str, Reason], preemptions: tuple[Preemption, ...]) -> None:

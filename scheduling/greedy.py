@@ -15,10 +15,15 @@ from scheduling.problem import Candidate, Problem
 
 
 def greedy_order(problem: Problem, job_ids: list[str]) -> list[str]:
+    # Under quotas with fair share, the team with the higher fair-share factor goes first at equal
+    # priority (the MILP's waiting costs say the same).
+    ledger = problem.ctx.quota if problem.policy.fair_share else None
+
     def key(job_id: str) -> tuple:
         job = problem.jobs_by_id[job_id]
         size = job.compute_units if job.compute_units is not None else job.gpus * min(job.gpu_milli, 1000) / 1000
-        return (-job.priority, -size * max(1, job.nodes), job.submitted_at, job_id)
+        factor = -round(ledger.factor.get(job.tenant, 1.0), 6) if ledger is not None else 0.0
+        return (-job.priority, factor, -size * max(1, job.nodes), job.submitted_at, job_id)
     return sorted(job_ids, key=key)
 
 

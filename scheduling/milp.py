@@ -181,6 +181,7 @@ def build_and_solve(problem: Problem, time_limit_s: float) -> AggregateSolution:
             prob += pulp.lpSum(variables) <= remaining, f"launch_group_{number}"
 
     _tenant_constraints(problem, prob, x)
+    _team_quota_constraints(problem, prob, x)
     prob += pulp.LpAffineExpression(list(objective.items()))
     build_seconds = time.perf_counter() - started
     result = _solve_in_two_phases(problem, prob, z, patterns_by_target, started, time_limit_s)
@@ -456,3 +457,51 @@ def _tenant_constraints(problem: Problem, prob: pulp.LpProblem, x: dict) -> None
                 f"quota_cu_{number}"
         if budget.remaining_budget is not None:
             prob += pulp.LpAffineExpression(money_terms) <= max(0.0, budget.remaining_budget), f"budget_{number}"
+
+
+def _team_quota_constraints(problem: Problem, prob: pulp.LpProblem, x: dict) -> None:
+    """Quotas of owned capacity (scheduling/quota.py), per team and managed flavor: what the cycle
+    places on owned nodes fits in what the team may still take (its nominal only, in the nominal
+    phase or without borrowing; a job that cannot be preempted never borrows), and all borrowers
+    together take no more than the cohort lends (p[team] >= use beyond the never-lent reserve)."""
+    ledger, ctx, pricing = problem.ctx.quota, problem.ctx, problem.pricing
+    if ledger is None:
+        return
+    terms: dict[tuple[str, str], list[tuple[pulp.LpVariable, float]]] = {}
+    fixed_terms: dict[tuple[str, str], list[tuple[pulp.LpVariable, float]]] = {}
+    for demand_class in problem.classes:
+        job = demand_class.demand
+        nodes = max(1, job.nodes)
+        for candidate in demand_class.candidates:
+            target = problem.targets[candidate.target]
+            if target.kind != "node" or target.node.rented:
+                continue
+            share = pricing.gpu_share(job, target.gpu_model) / nodes
+            for flavor, amount in ledger.amounts(target.gpu_model, share):
+                term = (x[demand_class.index, candidate.target], amount)
+                terms.setdefault((job.tenant, flavor), []).append(term)
+                if not job.preemptible:
+                    fixed_terms.setdefault((job.tenant, flavor), []).append(term)
+    strict = ctx.nominal_only or not ctx.borrowing
+    for number, ((team, flavor), team_terms) in enumerate(sorted(terms.items())):
+        room = ledger.nominal_left(team, flavor) if strict else ledger.available(team, flavor)
+        prob += pulp.LpAffineExpression(team_terms) <= room, f"team_quota_{number}"
+        if not strict and (team, flavor) in fixed_terms:
+            prob += pulp.LpAffineExpression(fixed_terms[team, flavor]) <= ledger.nominal_left(team, flavor), \
+                f"team_quota_fixed_{number}"
+    if strict:
+        return
+    for number, flavor in enumerate(ledger.flavors):
+        teams = sorted(team for team, f in terms if f == flavor)
+        if len(teams) < 2:
+            continue  # one team's own row already holds its share of the pool
+        pool_use = []
+        for team in teams:
+            use = pulp.LpVariable(f"pool_use_{number}_{len(pool_use)}", lowBound=0)
+            reserved = ledger.limits_of(team, flavor).reserved
+            prob += use >= pulp.LpAffineExpression(terms[team, flavor]) + ledger.usage[team, flavor] - reserved, \
+                f"pool_use_{number}_{len(pool_use)}"
+            pool_use.append(use)
+        others = sum(max(0.0, ledger.usage[t, flavor] - ledger.limits_of(t, flavor).reserved)
+                     for t in ledger.teams if t not in teams)
+        prob += pulp.lpSum(pool_use) <= max(0.0, ledger.pool(flavor) - others), f"cohort_pool_{number}"

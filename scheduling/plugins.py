@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 from scheduling.capacity import PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, JobDemand, ReasonCode, TenantBudget
+from scheduling.quota import QuotaLedger
 from scheduling.targets import Pricing, Target
 
 
@@ -20,6 +21,12 @@ from scheduling.targets import Pricing, Target
 class FilterContext:
     pricing: Pricing
     tenants: Mapping[str, TenantBudget]
+    # Teams' quotas of owned capacity as the cycle (or its phase) starts; None = no quotas.
+    quota: QuotaLedger | None = None
+    # The cycle's first phase admits only what fits in unused nominal quotas; `borrowing` False
+    # keeps every team within its nominal (strict quotas).
+    nominal_only: bool = False
+    borrowing: bool = True
 
 
 Check = Callable[[JobDemand, PartDemand, Target, FilterContext], bool]
@@ -130,6 +137,23 @@ def _tenant_quota(job: JobDemand, part: PartDemand, target: Target, ctx: FilterC
     return gpu_ok and cu_ok
 
 
+def _pool_access(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    allowed = target.offer.tenants if target.offer is not None else target.node.tenants
+    return not allowed or job.tenant in allowed
+
+
+def owned(target: Target) -> bool:
+    """Capacity quotas govern: an existing node the platform owns (not a rented instance, not a launch)."""
+    return target.kind == "node" and not target.node.rented
+
+
+def _team_quota(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    if ctx.quota is None or not owned(target):
+        return True
+    return ctx.quota.admits(job, target.gpu_model, ctx.pricing.gpu_share(job, target.gpu_model),
+                            nominal_only=ctx.nominal_only, borrowing=ctx.borrowing)
+
+
 def _tenant_budget(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
     budget = ctx.tenants.get(job.tenant)
     if budget is None or budget.remaining_budget is None:
@@ -170,6 +194,10 @@ FILTERS: dict[str, FilterPlugin] = {plugin.name: plugin for plugin in (
                  lambda job, n: f"{n} offers have launch quota 0"),
     FilterPlugin("tenant_quota", ReasonCode.QUOTA_EXCEEDED, _tenant_quota,
                  lambda job, n: f"{n} would exceed tenant {job.tenant}'s GPU/CU quota"),
+    FilterPlugin("pool_access", ReasonCode.NO_POOL_ACCESS, _pool_access,
+                 lambda job, n: f"{n} are in pools team {job.tenant} has no access to"),
+    FilterPlugin("team_quota", ReasonCode.NOMINAL_QUOTA_USED, _team_quota,
+                 lambda job, n: f"{n} would take team {job.tenant} past its quota of owned GPUs"),
     FilterPlugin("tenant_budget", ReasonCode.BUDGET_EXCEEDED, _tenant_budget,
                  lambda job, n: f"{n} cost more than tenant {job.tenant}'s remaining budget"),
 )}

@@ -7,6 +7,12 @@ priority, and have run at least `Policy.min_run_before_preempt_s` (so a job is n
 The node with the least total lost work wins. The freed GPUs are reserved in the cycle's book so
 neither another preemption nor defragmentation hands them out again. Multi-node jobs are not
 preempted for (a gang would need victims on several nodes at once).
+
+Priority only decides within a team: a job never preempts another team's job for priority. Across
+teams capacity is taken back only by reclaim (`plan_reclaims`): a pending job that fits in its
+team's unused nominal quota may stop jobs of teams that borrow that flavor, as long as each such
+team keeps at least its own nominal, whatever their priority or run time (borrowed capacity is
+lent on those terms, as in Kueue).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ def plan_preemptions(problem: Problem, book: Book, pending: list[str]) -> tuple[
             continue
         best = None
         for position, allocations in sorted(by_node.items()):
-            victims = [a for a in allocations if a.job_id not in taken and a.preemptible
+            victims = [a for a in allocations if a.job_id not in taken and a.preemptible and a.tenant == job.tenant
                        and a.priority < job.priority and a.run_seconds >= policy.min_run_before_preempt_s]
             if not victims or not could_ever_fit(problem, job, book.caps[position], position):
                 continue
@@ -57,6 +63,84 @@ def plan_preemptions(problem: Problem, book: Book, pending: list[str]) -> tuple[
         cap.take(positions, part)  # reserved for the job once its victims have stopped
         book.refresh_node(position)
     return tuple(plan)
+
+
+def plan_reclaims(problem: Problem, book: Book, pending: list[str]) -> tuple[Preemption, ...]:
+    """Reclaim preemptions (module docstring) for blocked jobs that fit in their team's unused nominal
+    quota; the freed GPUs are reserved for them and charged to their team in the book's ledger."""
+    ledger = book.quota
+    if ledger is None or not problem.policy.reclaim:
+        return ()
+    by_node = running_by_node(problem)
+    # The quota filter is what reclaim cures: the team's nominal is lent out, so it is not asked.
+    plugins = tuple(p for p in problem.plugins if p.name != "team_quota")
+    pricing = problem.pricing
+    taken: set[str] = set()
+    plan: list[Preemption] = []
+    order = sorted(pending, key=lambda j: (-problem.jobs_by_id[j].priority, problem.jobs_by_id[j].submitted_at, j))
+    for job_id in order[:JOBS_CONSIDERED]:
+        job = problem.jobs_by_id[job_id]
+        if job.nodes > 1 or problem.classes[problem.class_of[job_id]].invalid:
+            continue
+        best = None
+        for position, allocations in sorted(by_node.items()):
+            cap = book.caps[position]
+            model = next((g.model for g in cap.node.gpus if g.healthy), "")
+            amounts = ledger.amounts(model, pricing.gpu_share(job, model))
+            if cap.node.rented or not amounts or any(
+                    amount > ledger.nominal_left(job.tenant, flavor) + 1e-9 for flavor, amount in amounts):
+                continue
+            victims = [a for a in allocations if a.job_id not in taken and a.preemptible and a.tenant != job.tenant
+                       and _borrowing(ledger, a, cap.node)]
+            if not victims or not could_ever_fit(problem, job, cap, position, plugins):
+                continue
+            found = minimal_victims(problem, job, book, position, victims, plugins)
+            if found is None or not _keeps_nominal(ledger, found[0], cap.node):
+                continue
+            # GPU-seconds of work lost: one 8-GPU victim is not cheaper than four 1-GPU ones.
+            score = (sum(a.lost_work_s * len(a.gpu_indices) for a in found[0]), len(found[0]), cap.node.id)
+            if best is None or score < best[0]:
+                best = (score, position, found, model)
+        if best is None:
+            continue
+        _, position, (chosen, target, part, positions), model = best
+        cap = book.caps[position]
+        for allocation in chosen:
+            release(cap, allocation)
+            ledger.release(allocation.tenant, cap.node, allocation.gpu_indices, allocation.gpu_milli)
+            taken.add(allocation.job_id)
+            plan.append(Preemption(victim_job_id=allocation.job_id, for_job_id=job_id, node_id=cap.node.id,
+                                   lost_work_s=allocation.lost_work_s, cause="reclaim"))
+        cap.take(positions, part)  # reserved for the job once its victims have stopped
+        ledger.charge(job, model, pricing.gpu_share(job, model))
+        book.refresh_node(position)
+    return tuple(plan)
+
+
+def _held(ledger, allocation, node) -> dict[str, float]:
+    """What an allocation counts against each managed flavor."""
+    held: dict[str, float] = {}
+    for index in allocation.gpu_indices:
+        model = next((g.model for g in node.gpus if g.index == index), "")
+        for flavor, amount in ledger.amounts(model, min(allocation.gpu_milli, 1000) / 1000):
+            held[flavor] = held.get(flavor, 0.0) + amount
+    return held
+
+
+def _borrowing(ledger, allocation, node) -> bool:
+    """Its team holds more than its nominal of this flavor by at least this allocation's share."""
+    held = _held(ledger, allocation, node)
+    return bool(held) and all(ledger.borrowed(allocation.tenant, flavor) >= amount - 1e-9
+                              for flavor, amount in held.items())
+
+
+def _keeps_nominal(ledger, chosen, node) -> bool:
+    """Taking all of `chosen` leaves every victim team at or above its nominal."""
+    taking: dict[tuple[str, str], float] = {}
+    for allocation in chosen:
+        for flavor, amount in _held(ledger, allocation, node).items():
+            taking[allocation.tenant, flavor] = taking.get((allocation.tenant, flavor), 0.0) + amount
+    return all(ledger.borrowed(team, flavor) >= amount - 1e-9 for (team, flavor), amount in taking.items())
 
 
 def preemptions_for(snapshot: Snapshot, policy: Policy | None = None,

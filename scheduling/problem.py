@@ -18,6 +18,7 @@ from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import (
     WHOLE_GPU_MILLI, JobDemand, Policy, PolicyWeights, Snapshot, WorkloadClass,
 )
+from scheduling.quota import QuotaLedger
 from scheduling.plugins import FilterContext, FilterPlugin, first_rejection, resolve_filters, resolve_scores
 from scheduling.targets import (
     Pricing, Target, build_offer_targets, build_shape_targets, offer_group_caps, priority_weight,
@@ -129,15 +130,22 @@ class Problem:
         return offer_group_caps(self.snapshot.offers, self.snapshot.launch_limit_of())
 
 
-def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapacity] | None = None) -> Problem:
+def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapacity] | None = None,
+                  quota: QuotaLedger | None = None, nominal_only: bool = False) -> Problem:
     """Group, filter and price everything one cycle needs. `capacities` lets a caller pass state
-    already changed (preemption and defragmentation what-ifs)."""
+    already changed (preemption and defragmentation what-ifs, the borrowing phase); `quota` the
+    teams' usage as it stands then (default: the snapshot's); `nominal_only` admits on owned
+    capacity only what fits in unused nominal quotas (the engine's first phase)."""
     pricing = Pricing(snapshot)
+    if quota is None and snapshot.quotas:
+        quota = QuotaLedger(snapshot)
     if capacities is None:
         capacities = [NodeCapacity(node) for node in sorted(snapshot.nodes, key=lambda n: n.id)]
     targets = build_shape_targets(capacities) + build_offer_targets(
         tuple(sorted(snapshot.offers, key=lambda o: o.id)), snapshot.launch_limit_of())
-    ctx = FilterContext(pricing=pricing, tenants={t.tenant: t for t in snapshot.tenants})
+    ctx = FilterContext(pricing=pricing, tenants={t.tenant: t for t in snapshot.tenants},
+                        quota=quota if quota is not None and quota.active else None,
+                        nominal_only=nominal_only, borrowing=policy.borrowing)
     plugins = resolve_filters(policy.filters)
     weights = scaled_weights(snapshot.weights, policy)
     durations = [job.expected_duration_hours for job in snapshot.pending] or [1.0]
@@ -161,6 +169,11 @@ def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapac
         gpu_equivalent = (demand.compute_units if demand.compute_units is not None
                           else demand.gpus * min(demand.gpu_milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI)
         waiting = weights["waiting"] * priority_weight(ranks[demand.priority], snapshot.weights.priority_step_factor)
+        if ctx.quota is not None and policy.fair_share:
+            # Among borrowers the better-served team waits more cheaply: scaled by 0.5 + F/2, so a
+            # team that used nothing (F = 1) keeps the full waiting cost and one far over its share
+            # half of it (priority ranks still double it; docs/quotas.md).
+            waiting *= 0.5 + 0.5 * ctx.quota.factor.get(demand.tenant, 1.0)
         demand_class = DemandClass(index=index, demand=demand, job_ids=[j.job_id for j in jobs],
                                    waiting_cost=waiting * (0.1 + max(0.0, gpu_equivalent)))
         _fill_candidates(demand_class, targets, pricing, ctx, plugins)

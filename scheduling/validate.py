@@ -95,6 +95,7 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
             problems.append(f"{job.job_id}: spot policy {job.spot} broken")
 
     problems += _migration_violations(snapshot, plan, nodes, offers, launches, used, cpu, mem)
+    problems += _access_and_quota_violations(snapshot, plan, nodes, offers, launches, pricing)
     for (home, instance), total in cpu.items():
         limit = _host_limit(home, nodes, launches, offers)
         if limit is not None and (total > limit[0] or mem[home, instance] > limit[1]):
@@ -197,3 +198,88 @@ def _host_limit(home, nodes, launches, offers) -> tuple[int, int] | None:
     launch = launches.get(home)
     offer = offers.get(launch.offer_id) if launch is not None else None
     return None if offer is None else (offer.vcpus * 1000, offer.memory_mb)
+
+
+def _access_and_quota_violations(snapshot: Snapshot, plan: Plan, nodes, offers, launches, pricing) -> list[str]:
+    """Pool access (a team only on nodes and offers open to it) and quotas of owned capacity, derived
+    here from the rules of docs/quotas.md, not from the engine's ledger: what the plan adds to a
+    team's use of a flavor stays within nominal + borrowing limit, all teams' use beyond their
+    never-lent reserve within what the cohort lends, and jobs that cannot be preempted within the
+    team's unused nominal. Use that was already over before the plan is not the plan's fault."""
+    problems: list[str] = []
+    jobs = {job.job_id: job for job in snapshot.pending}
+    limits = {(q.tenant, q.flavor): q for q in snapshot.quotas}
+    flavors = {q.flavor for q in snapshot.quotas}
+    rating = {m.name: (m.cu_rating if m.cu_rating > 0 else 1.0) for m in snapshot.gpu_models}
+
+    def counted(model: str, share: float) -> list[tuple[str, float]]:
+        out = [(model, share)] if model in flavors else []
+        return out + ([("CU", share * rating.get(model, 1.0))] if "CU" in flavors else [])
+
+    def model_of(node, index: int) -> str:
+        return next((g.model for g in node.gpus if g.index == index), "")
+
+    before: dict[tuple[str, str], float] = defaultdict(float)
+    capacity: dict[str, float] = defaultdict(float)
+    for node in snapshot.nodes:
+        if not node.rented:
+            for gpu in node.gpus:
+                if gpu.healthy:
+                    for flavor, amount in counted(gpu.model, 1.0):
+                        capacity[flavor] += amount
+    for allocation in snapshot.running:
+        node = nodes.get(allocation.node_id)
+        if node is not None and not node.rented:
+            for index in allocation.gpu_indices:
+                for flavor, amount in counted(model_of(node, index), min(allocation.gpu_milli, 1000) / 1000):
+                    before[allocation.tenant, flavor] += amount
+    added: dict[tuple[str, str], float] = defaultdict(float)
+    fixed: dict[tuple[str, str], float] = defaultdict(float)
+    for placement in plan.placements:
+        job = jobs.get(placement.job_id)
+        if job is None:
+            continue
+        for part in placement.parts:
+            if part.node_id is not None:
+                node = nodes.get(part.node_id)
+                allowed = node.tenants if node is not None else ()
+            else:
+                launch = launches.get(part.launch_id)
+                offer = offers.get(launch.offer_id) if launch is not None else None
+                allowed, node = (offer.tenants if offer is not None else ()), None
+            if allowed and job.tenant not in allowed:
+                problems.append(f"{job.job_id}: team {job.tenant} placed where it has no access")
+            if node is None or node.rented:
+                continue
+            for index in part.gpu_indices:
+                for flavor, amount in counted(model_of(node, index), min(part.gpu_milli, 1000) / 1000):
+                    added[job.tenant, flavor] += amount
+                    if not job.preemptible:
+                        fixed[job.tenant, flavor] += amount
+    teams = {team for team, _ in before} | {team for team, _ in added} | {q.tenant for q in snapshot.quotas}
+    for flavor in sorted(flavors):
+        rows = [q for q in snapshot.quotas if q.flavor == flavor]
+
+        def reserved(team: str) -> float:
+            q = limits.get((team, flavor))
+            if q is None:
+                return 0.0
+            return q.nominal - (q.nominal if q.lending_limit is None else min(q.nominal, q.lending_limit))
+        lent = sum(q.nominal for q in rows) - sum(reserved(q.tenant) for q in rows)
+        pool = lent + max(0.0, capacity[flavor] - sum(q.nominal for q in rows))
+        use_before = sum(max(0.0, before[t, flavor] - reserved(t)) for t in teams)
+        use_after = sum(max(0.0, before[t, flavor] + added[t, flavor] - reserved(t)) for t in teams)
+        if use_after > pool + 1e-6 and use_after > use_before + 1e-6:
+            problems.append(f"flavor {flavor}: teams use {use_after:g} of the cohort's pool of {pool:g}")
+        for team in sorted(teams):
+            if added[team, flavor] <= 1e-9:
+                continue
+            q = limits.get((team, flavor))
+            nominal = q.nominal if q is not None else 0.0
+            after = before[team, flavor] + added[team, flavor]
+            if q is not None and q.borrowing_limit is not None and after > nominal + q.borrowing_limit + 1e-6:
+                problems.append(f"team {team}: {after:g} {flavor} is past nominal {nominal:g} + borrowing limit "
+                                f"{q.borrowing_limit:g}")
+            if fixed[team, flavor] > max(0.0, nominal - before[team, flavor]) + 1e-6:
+                problems.append(f"team {team}: jobs that cannot be preempted borrow {flavor}")
+    return problems

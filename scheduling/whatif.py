@@ -58,11 +58,12 @@ def fits_on(problem: Problem, job: JobDemand, cap: NodeCapacity, position: int,
     return None if positions is None else (target, part, positions)
 
 
-def could_ever_fit(problem: Problem, job: JobDemand, cap: NodeCapacity, position: int) -> bool:
+def could_ever_fit(problem: Problem, job: JobDemand, cap: NodeCapacity, position: int,
+                   plugins: tuple[FilterPlugin, ...] | None = None) -> bool:
     """Filters that do not depend on free capacity pass (right model, provider, price, ...)."""
     target = node_target(cap, position)
     part = problem.pricing.part(job, target.gpu_model)
-    static = tuple(p for p in problem.plugins if p.name not in CAPACITY_FILTERS)
+    static = tuple(p for p in (problem.plugins if plugins is None else plugins) if p.name not in CAPACITY_FILTERS)
     if part is None or first_rejection(static, job, part, target, problem.ctx) is not None:
         return False
     if part.gpus == 0:
@@ -73,23 +74,25 @@ def could_ever_fit(problem: Problem, job: JobDemand, cap: NodeCapacity, position
 
 
 def minimal_victims(problem: Problem, job: JobDemand, book: Book, position: int,
-                    movable: list[RunningAllocation]) -> tuple[list[RunningAllocation], Target, PartDemand,
-                                                              tuple[int, ...]] | None:
+                    movable: list[RunningAllocation], plugins: tuple[FilterPlugin, ...] | None = None
+                    ) -> tuple[list[RunningAllocation], Target, PartDemand, tuple[int, ...]] | None:
     """Fewest-lost-work set of `movable` jobs whose departure lets `job` fit on node `position`.
 
     Adds jobs in order of lost work until the job fits, then drops any that turn out unneeded
-    (most expensive first), so no victim is taken without need.
+    (most expensive first), so no victim is taken without need. `plugins`: the filters to pass
+    (default the policy's).
     """
+    plugins = problem.plugins if plugins is None else plugins
     ordered = sorted(movable, key=lambda a: (a.lost_work_s, a.job_id))
     cap = book.caps[position].copy()
     chosen: list[RunningAllocation] = []
-    fit = fits_on(problem, job, cap, position, problem.plugins)
+    fit = fits_on(problem, job, cap, position, plugins)
     for allocation in ordered:
         if fit is not None:
             break
         release(cap, allocation)
         chosen.append(allocation)
-        fit = fits_on(problem, job, cap, position, problem.plugins)
+        fit = fits_on(problem, job, cap, position, plugins)
     if fit is None or not chosen:
         return None
     for allocation in sorted(chosen, key=lambda a: (-a.lost_work_s, a.job_id)):
@@ -97,12 +100,12 @@ def minimal_victims(problem: Problem, job: JobDemand, book: Book, position: int,
         for other in chosen:
             if other is not allocation:
                 release(trial, other)
-        if fits_on(problem, job, trial, position, problem.plugins) is not None:
+        if fits_on(problem, job, trial, position, plugins) is not None:
             chosen = [a for a in chosen if a is not allocation]
     final = book.caps[position].copy()
     for allocation in chosen:
         release(final, allocation)
-    fit = fits_on(problem, job, final, position, problem.plugins)
+    fit = fits_on(problem, job, final, position, plugins)
     if fit is None:
         return None
     return chosen, fit[0], fit[1], fit[2]

@@ -127,6 +127,7 @@ class JobRun:
     epoch: int = 0  # bumps on every stop so stale completion events are ignored
     finish_s: float | None = None
     restarts: int = 0
+    held_since: float | None = None  # when the current run took its GPUs (before boot and restart)
 
 
 class FleetView(Protocol):
@@ -190,6 +191,9 @@ class Simulator:
         self._events: list[tuple[float, int, int, str, int]] = []  # time, kind, seq, job, epoch
         self._seq = 0
         self.log: list[tuple[float, str, str]] = []  # (time, event, job) for tests and debugging
+        # Every GPU hold that ended, in the order they ended: (job, node, rented, gpus, from_s, to_s);
+        # holds still open at the end of a run are added by the result (to its time).
+        self.holds: list[tuple[str, str, bool, int, float, float]] = []
 
     @property
     def running(self) -> list[JobRun]:
@@ -211,6 +215,8 @@ class Simulator:
             self._push(r.job.submit_s, self.ARRIVE, r.job.id)
         cycle_due: float | None = None
         self.grace = idle_release_of(policy)
+        # optional: called after each cycle's actions are applied (benchmarks sample state there)
+        after_cycle = getattr(policy, "after_cycle", None)
         while self._events:
             t, kind, _, job_id, epoch = heapq.heappop(self._events)
             if self.horizon_s is not None and t > self.horizon_s:
@@ -231,6 +237,8 @@ class Simulator:
                 self.cycles += 1
                 self._apply(policy.decide(self))
                 self._release_empty()
+                if after_cycle is not None:
+                    after_cycle(self)
             rented = any(run.offer is not None for run in self.nodes.values())
             if (self.pending or rented) and cycle_due is None:
                 # align cycles to the grid so every policy sees the same decision times
@@ -243,11 +251,17 @@ class Simulator:
         r.done_work_s = r.job.work_s
         self._bill_onprem(r)
         node = self.nodes[r.node_id]  # type: ignore[index]
+        self._end_hold(r, node)
         for g in r.gpus:
             node.free[g] = True
         node.jobs.discard(r.job.id)
         self.log.append((self.now, "complete", r.job.id))
         self._release_empty()
+
+    def _end_hold(self, r: JobRun, node: NodeRun) -> None:
+        start = self.now if r.held_since is None else r.held_since
+        self.holds.append((r.job.id, node.node.id, node.offer is not None, len(r.gpus), start, self.now))
+        r.held_since = None
 
     def _bill_onprem(self, r: JobRun) -> None:
         node = self.nodes[r.node_id]  # type: ignore[index]
@@ -327,6 +341,7 @@ class Simulator:
         for g in gpus:
             node.free[g] = False
         node.jobs.add(r.job.id)
+        r.held_since = self.now
         begin = max(self.now, node.ready_s) + (self.restart_s if r.restarts else 0.0)
         r.node_id, r.gpus, r.speed = node_id, gpus, self.speed(node.node.model)
         r.start_s = begin
@@ -349,6 +364,7 @@ class Simulator:
         self._bill_onprem(r)
         r.done_work_s = min(r.job.work_s, r.done_work_s + ran)
         node = self.nodes[r.node_id]
+        self._end_hold(r, node)
         for g in r.gpus:
             node.free[g] = True
         node.jobs.discard(r.job.id)
@@ -363,6 +379,10 @@ class Simulator:
     def _result(self) -> SimResult:
         for r in self.running:  # bill what is still running at the horizon
             self._bill_onprem(r)
+            if r.held_since is not None:
+                node = self.nodes[r.node_id]  # type: ignore[index]
+                self.holds.append((r.job.id, node.node.id, node.offer is not None, len(r.gpus),
+                                   r.held_since, self.now))
         for run in list(self.nodes.values()):
             if run.offer is not None:
                 end = self.now if run.idle_since is None else min(self.now, run.idle_since + self.grace)

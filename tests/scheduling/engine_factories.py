@@ -20,7 +20,7 @@ def gpu_node(node_id: str, gpus: int = 8, model: str = "A100", memory_mb: int = 
              unhealthy: tuple[int, ...] = (), price: float = 1.0, cpu_milli: int = 64000,
              memory: int = 512 * 1024, free_cpu: int | None = None, free_mem: int | None = None,
              provider: str = "onprem", region: str = "dc1", pool: str = "default", fast_fabric: bool = False,
-             state: str = "ready", rented: bool = False) -> NodeState:
+             state: str = "ready", rented: bool = False, tenants: tuple[str, ...] = ()) -> NodeState:
     used = used or {}
     free_memory = free_memory or {}
     gpu_states = tuple(
@@ -32,7 +32,8 @@ def gpu_node(node_id: str, gpus: int = 8, model: str = "A100", memory_mb: int = 
     return NodeState(id=node_id, name=node_id, gpus=gpu_states, cpu_milli=cpu_milli, memory_mb=memory,
                      free_cpu_milli=cpu_milli if free_cpu is None else free_cpu,
                      free_memory_mb=memory if free_mem is None else free_mem, pool=pool, provider=provider,
-                     region=region, state=state, price_per_gpu_hour=price, fast_fabric=fast_fabric, rented=rented)
+                     region=region, state=state, price_per_gpu_hour=price, fast_fabric=fast_fabric, rented=rented,
+                     tenants=tenants)
 
 
 def offer(offer_id: str, model: str = "A100", gpus: int = 8, price: float = 32.0, spot: float | None = None,

@@ -14,9 +14,9 @@ POLICY = Policy(time_limit_s=5.0, min_run_before_preempt_s=600, min_run_before_m
 
 
 def running(job_id, node, gpus, priority=0, preemptible=True, checkpointable=True, run=5000.0, age=100.0,
-            restart=60.0, demand=True):
+            restart=60.0, demand=True, tenant="acme"):
     return RunningAllocation(
-        job_id=job_id, node_id=node, gpu_indices=tuple(gpus), priority=priority, preemptible=preemptible,
+        job_id=job_id, node_id=node, gpu_indices=tuple(gpus), tenant=tenant, priority=priority, preemptible=preemptible,
         checkpointable=checkpointable, run_seconds=run, checkpoint_age_s=age, restart_cost_s=restart,
         cpu_milli=1000 * len(gpus), memory_mb=1024,
         demand=job(job_id, gpus=len(gpus), cpu_milli=1000 * len(gpus)) if demand else None)
@@ -47,6 +47,17 @@ def test_never_preempts_young_equal_priority_or_protected_jobs():
         plan = schedule(snapshot(nodes, [job("urgent", gpus=8, priority=10)], running=[victim]), POLICY)
         assert plan.preemptions == ()
         assert plan.pending["urgent"].code == ReasonCode.INSUFFICIENT_GPUS
+
+
+def test_priority_never_preempts_another_teams_job():
+    # Another team's job on a shared node is taken back only by reclaim (quotas), not for priority.
+    nodes = [busy_node("n0", range(8))]
+    plan = schedule(snapshot(nodes, [job("urgent", gpus=8, priority=10)],
+                             running=[running("theirs", "n0", range(8), tenant="globex")]), POLICY)
+    assert plan.preemptions == ()
+    plan = schedule(snapshot(nodes, [job("urgent", gpus=8, priority=10)],
+                             running=[running("ours", "n0", range(8), tenant="acme")]), POLICY)
+    assert [p.victim_job_id for p in plan.preemptions] == ["ours"]
 
 
 def test_a_victim_is_taken_once_and_freed_gpus_are_not_reused():
