@@ -1,7 +1,7 @@
 from django.contrib import admin, messages
 
 from broker.agents.services import AgentError, node_confirm_powered_off
-from broker.inventory.models import CloudInstance, Gpu, GpuModel, Node, Pool
+from broker.inventory.models import CloudInstance, Gpu, GpuModel, Node, Pool, PoolGrant
 from broker.inventory.services import pool_join_token_issue
 
 
@@ -9,6 +9,23 @@ from broker.inventory.services import pool_join_token_issue
 class GpuModelAdmin(admin.ModelAdmin):
     list_display = ["name", "vendor", "memory_gb", "compute_units", "peak_dense_tflops", "nvlink"]
     search_fields = ["name"]
+
+
+class PoolGrantInline(admin.TabularInline):
+    """Teams the pool is shared with (besides its owner); `manage.py pool_share` does the same."""
+
+    model = PoolGrant
+    extra = 0
+    autocomplete_fields = ["tenant"]
+    readonly_fields = ["created_at"]
+
+
+@admin.register(PoolGrant)
+class PoolGrantAdmin(admin.ModelAdmin):
+    list_display = ["pool", "tenant", "created_at"]
+    list_filter = ["tenant"]
+    autocomplete_fields = ["tenant"]
+    readonly_fields = ["created_at"]
 
 
 @admin.register(Pool)
@@ -19,6 +36,7 @@ class PoolAdmin(admin.ModelAdmin):
     exclude = ["join_token_hash"]
     readonly_fields = ["join_token_prefix"]
     actions = ["issue_join_token"]
+    inlines = [PoolGrantInline]
 
     @admin.action(description="Issue a new agent join token (shown once)")
     def issue_join_token(self, request, queryset):

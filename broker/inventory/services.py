@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from broker.inventory.models import Gpu, GpuModel, Node, Pool
+from broker.inventory.models import Gpu, GpuModel, Node, Pool, PoolGrant
 from broker.tenancy import tokens
+from broker.tenancy.models import Tenant
+
+
+class PoolShareError(Exception):
+    """A refused grant or revocation, with a message for the platform admin."""
 
 
 def pool_join_token_issue(*, pool: Pool) -> str:
@@ -42,3 +47,34 @@ def node_create_simulated(*, pool: Pool, name: str, gpu_model: GpuModel, gpu_cou
                 for i in range(gpu_count)
             ])
     return node
+
+
+def pool_resolve(ref: str) -> Pool:
+    """The pool an admin names as OWNER_SLUG/POOL_NAME (pool names are unique per owner only)."""
+    owner_slug, sep, name = ref.partition("/")
+    if not sep or not owner_slug or not name:
+        raise PoolShareError(f"Name the pool as OWNER_SLUG/POOL_NAME (e.g. platform/shared-a100), not {ref[:80]!r}.")
+    pool = Pool.objects.filter(tenant__slug=owner_slug, name=name).select_related("tenant").first()
+    if pool is None:
+        if not Tenant.objects.filter(slug=owner_slug).exists():
+            raise PoolShareError(f"No tenant {owner_slug[:63]!r} (the pool's owner).")
+        names = ", ".join(Pool.objects.filter(tenant__slug=owner_slug).values_list("name", flat=True)) or "none"
+        raise PoolShareError(f"Tenant {owner_slug} has no pool {name[:100]!r} (its pools: {names}).")
+    return pool
+
+
+def pool_share(*, pool: Pool, tenant: Tenant) -> tuple[PoolGrant, bool]:
+    """Let `tenant` use `pool` (its nodes, and renting through it for a cloud pool); idempotent.
+
+    The team joins the owner's scheduling component from the next cycle on: one decision for all of them."""
+    if tenant.pk == pool.tenant_id:
+        raise PoolShareError(f"{tenant.slug} owns {pool}: an owner always may use its pool.")
+    return PoolGrant.objects.get_or_create(pool=pool, tenant=tenant)
+
+
+def pool_unshare(*, pool: Pool, tenant: Tenant) -> None:
+    """Take the grant back. Jobs of the team already running on the pool run on (a revocation does not
+    kill work); nothing new of the team is placed there, and its moves and restarts go elsewhere."""
+    deleted, _ = PoolGrant.objects.filter(pool=pool, tenant=tenant).delete()
+    if not deleted:
+        raise PoolShareError(f"{pool} is not shared with {tenant.slug}: nothing to revoke.")

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from broker.tenancy.models import ApiToken, Membership, Quota, Tenant
+from broker.tenancy.models import ApiToken, FairShareUsage, Membership, Quota, TeamQuota, Tenant
 
 
 class MembershipInline(admin.TabularInline):
@@ -19,6 +19,30 @@ class TenantAdmin(admin.ModelAdmin):
     list_display = ["slug", "name", "created_at"]
     search_fields = ["slug", "name"]
     inlines = [QuotaInline, MembershipInline]
+
+
+@admin.register(TeamQuota)
+class TeamQuotaAdmin(admin.ModelAdmin):
+    """Per-flavor quotas of owned capacity (`manage.py quota_set` does the same); the form runs the
+    model's clean(): a known flavor, limits >= 0, lending <= nominal."""
+
+    list_display = ["tenant", "flavor", "nominal", "borrowing_limit", "lending_limit", "updated_at"]
+    list_filter = ["flavor", "tenant"]
+    search_fields = ["tenant__slug", "flavor"]
+
+
+@admin.register(FairShareUsage)
+class FairShareUsageAdmin(admin.ModelAdmin):
+    """Read-only: the scheduler decays and adds to these every cycle."""
+
+    list_display = ["tenant", "flavor", "decayed_hours", "updated_at"]
+    list_filter = ["flavor", "tenant"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
 
 
 @admin.register(Membership)

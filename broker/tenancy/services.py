@@ -1,7 +1,6 @@
 """Writes for tenants, memberships and API tokens."""
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
@@ -11,10 +10,10 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Count, Sum
 from django.utils import timezone
 
 from broker.tenancy import tokens
+from broker.tenancy.selectors import owned_holdings
 from broker.tenancy.models import (CU_FLAVOR, ApiToken, FairShareUsage, Membership, Quota, Role, TeamQuota, Tenant,
                                    TokenScope)
 
@@ -161,26 +160,6 @@ def decayed_usage(*, previous: float, held: float, seconds: float, half_life_hou
     seconds = max(0.0, seconds)
     decay = 2.0 ** (-seconds / (half_life_hours * 3600.0)) if half_life_hours > 0 else 0.0
     return previous * decay + held * seconds / 3600.0
-
-
-def owned_holdings(*, tenant_ids: Sequence[int]) -> dict[tuple[int, str], float]:
-    """GPUs (per model) and compute units ("CU") the teams' active jobs hold now on owned nodes: what
-    fair share counts (rented capacity is paid for, not shared)."""
-    from broker.inventory.models import Gpu, PoolKind
-    from broker.jobs.models import AllocationSlice
-    from broker.jobs.states import ACTIVE_STATES
-
-    held: dict[tuple[int, str], float] = defaultdict(float)
-    rows = (AllocationSlice.objects.filter(active=True, allocation__job__tenant_id__in=list(tenant_ids),
-                                           allocation__job__state__in=ACTIVE_STATES,
-                                           gpu__node__pool__kind=PoolKind.ONPREM)
-            .values("allocation__job__tenant_id", "gpu__model__name", "gpu__model_name")
-            .annotate(slots=Count("id"), cu=Sum("gpu__model__compute_units")))
-    for row in rows:
-        tenant_id = row["allocation__job__tenant_id"]
-        held[tenant_id, row["gpu__model__name"] or row["gpu__model_name"]] += row["slots"] / Gpu.SLOTS
-        held[tenant_id, CU_FLAVOR] += float(row["cu"] or 0) / Gpu.SLOTS
-    return held
 
 
 def fair_share_usage_update(*, tenants: Sequence[Tenant], now: datetime | None = None,
