@@ -75,6 +75,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     # Outermost: every response gets its X-Request-ID, and errors under /api/ answer JSON.
     "broker.api.middleware.RequestIdMiddleware",
+    # Times every request for /metrics (whalezen_api_request_duration_seconds).
+    "broker.ops.request_metrics.RequestDurationMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -70,6 +70,7 @@ def metrics_targets(request: HttpRequest) -> JsonResponse:
 
 def metrics(request: HttpRequest) -> HttpResponse:
     from broker.ops.metrics import BrokerCollector
+    from broker.ops.request_metrics import register_request_metrics
 
     if request.method != "GET":
         return JsonResponse({"detail": f'Method "{request.method[:16]}" not allowed.'}, status=405)
@@ -77,4 +78,5 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return refused()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector())
+    register_request_metrics(registry)
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

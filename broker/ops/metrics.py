@@ -12,12 +12,18 @@ figure is one aggregate query. Names follow Kueue's and Volcano's patterns (`<sy
 - `whalezen_admitted_jobs_total{tenant}` (allocations made), `whalezen_preempted_jobs_total{tenant}`,
   `whalezen_migrations_total{cause,result}` (finished moves by outcome);
 - `whalezen_scheduling_cycle_duration_seconds{phase="solve"}`, a histogram of the engine's solve
-  time over the recorded cycles (CycleRecord).
+  time over the recorded cycles (CycleRecord);
+- `whalezen_spend_dollars{tenant,provider}`: month-to-date spend by pool kind, the figure budgets
+  are checked against (broker/scheduler/spend.py).
+
+`whalezen_api_request_duration_seconds{method,route,status}` is counted in the serving processes
+instead (broker/ops/request_metrics.py).
 """
 from __future__ import annotations
 
 from typing import Iterator
 
+from django.utils import timezone
 from django.db.models import Count, Exists, OuterRef, Q, Sum
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -26,6 +32,7 @@ from broker.inventory.models import CloudInstance, Gpu, GpuHealth, NodeState
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent, Migration, MigrationState
 from broker.jobs.states import JobState
 from broker.scheduler.models import CycleRecord
+from broker.scheduler.spend import month_to_date_spend_by_provider
 
 CYCLE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 FINISHED_MOVES = (MigrationState.COMPLETED, MigrationState.ROLLED_BACK, MigrationState.ABANDONED)
@@ -34,7 +41,7 @@ FINISHED_MOVES = (MigrationState.COMPLETED, MigrationState.ROLLED_BACK, Migratio
 class BrokerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from (self._jobs(), self._pending(), self._gpus(), self._instances(), self._admitted(),
-                    self._preempted(), self._migrations(), self._cycles())
+                    self._preempted(), self._migrations(), self._cycles(), self._spend())
 
     @staticmethod
     def _jobs() -> Metric:
@@ -118,3 +125,11 @@ class BrokerCollector(Collector):
                           + [("+Inf", row["total"])], sum_value=row["seconds"] or 0.0)
         return family
 
+
+    @staticmethod
+    def _spend() -> Metric:
+        family = GaugeMetricFamily("whalezen_spend_dollars", "Month-to-date spend in dollars by tenant and "
+                                   "provider (pool kind), as budgets count it.", labels=["tenant", "provider"])
+        for (tenant, provider), dollars in sorted(month_to_date_spend_by_provider(now=timezone.now()).items()):
+            family.add_metric([tenant, provider], round(dollars, 6))
+        return family

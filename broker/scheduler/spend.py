@@ -19,15 +19,21 @@ def month_start(now: datetime) -> datetime:
 
 
 def month_to_date_spend(*, tenant: Tenant, now: datetime) -> float:
+    return sum(month_to_date_spend_by_provider(now=now, tenant=tenant).values())
+
+
+def month_to_date_spend_by_provider(*, now: datetime, tenant: Tenant | None = None) -> dict[tuple[str, str], float]:
+    """(tenant slug, pool kind) -> dollars this month, for one tenant or all (the /metrics gauge)."""
     start = month_start(now)
-    total = 0.0
-    allocations = (Allocation.objects.filter(job__tenant=tenant)
-                   .filter(Q(active=True) | Q(released_at__gte=start))
-                   .select_related("node__pool").prefetch_related("slices"))
-    for alloc in allocations:
+    totals: dict[tuple[str, str], float] = {}
+    allocations = Allocation.objects.filter(Q(active=True) | Q(released_at__gte=start))
+    if tenant is not None:
+        allocations = allocations.filter(job__tenant=tenant)
+    for alloc in allocations.select_related("node__pool", "job__tenant").prefetch_related("slices"):
         begin = max(alloc.created_at, start)
         end = alloc.released_at or now
         hours = max(0.0, (end - begin).total_seconds() / 3600)
         gpu_equivalents = len(alloc.slices.all()) / Gpu.SLOTS
-        total += hours * gpu_equivalents * float(alloc.node.pool.gpu_hour_rate_usd)
-    return total
+        key = (alloc.job.tenant.slug, alloc.node.pool.kind)
+        totals[key] = totals.get(key, 0.0) + hours * gpu_equivalents * float(alloc.node.pool.gpu_hour_rate_usd)
+    return totals

@@ -61,3 +61,32 @@ def test_metrics_are_for_loopback_the_allow_list_or_the_token(acme):
     assert Client(REMOTE_ADDR="10.9.9.9").get("/metrics").status_code == 403
     assert Client(REMOTE_ADDR="10.9.9.9").get("/metrics", HTTP_AUTHORIZATION=f"Bearer {acme.token_secret}"
                                                ).status_code == 403
+
+
+def test_spend_by_tenant_and_provider_and_request_durations_by_route(acme, globex):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from broker.jobs.models import Allocation
+
+    acme.nodes[0].pool.gpu_hour_rate_usd = 2
+    acme.nodes[0].pool.save()
+    placed = submit(acme, name="placed", resources={"gpus": 2})
+    allocation_commit(job=placed, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0, 1))])
+    # Held for three hours this month: 2 GPUs x 3 h x $2.
+    Allocation.objects.filter(job=placed).update(created_at=max(timezone.now() - timedelta(hours=3),
+                                                                timezone.now().replace(day=1, hour=0, minute=0)))
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {acme.token_secret}")
+    for _ in range(3):
+        assert client.get(f"/api/v1/jobs/{placed.pk}/").status_code == 200
+    assert Client().get("/api/v1/no-such-thing/?x=1").status_code == 404
+
+    m = scrape()
+    expected = 2 * 2 * min(3.0, (timezone.now() - timezone.now().replace(day=1, hour=0, minute=0)).total_seconds() / 3600)
+    assert value(m, "whalezen_spend_dollars", tenant="acme", provider="onprem") == pytest.approx(expected, rel=0.01)
+    assert value(m, "whalezen_spend_dollars", tenant="globex", provider="onprem") is None
+    duration = "whalezen_api_request_duration_seconds"
+    assert value(m, f"{duration}_count", method="GET", route="api/v1/jobs/<pk>/", status="200") >= 3
+    # A random path is one label value, whatever the path.
+    assert value(m, f"{duration}_count", method="GET", route="unmatched", status="404") >= 1
