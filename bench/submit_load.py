@@ -8,11 +8,13 @@ database with the demo data in a temporary folder, then fires `--requests` job s
     .venv/bin/python -m bench.submit_load [--requests 1700] [--concurrency 32] [--no-worker] [--json]
 
 The last line with --json is one JSON object: {"requests", "concurrency", "seconds", "requests_per_s",
-"p50_ms", "p99_ms", "statuses" (answer status -> count), "errors" (answers that are not 201),
+"p50_ms", "p95_ms", "p99_ms", "statuses" (answer status -> count), "errors" (answers that are not 201),
 "html_errors" (answers with an HTML body), "jobs_created" (201 answers), "error_kinds" (the commonest error excerpts -> count)}.
 
 The submission throttle (`WHALEZEN_SUBMIT_RATE`) is lifted for the run: this measures the database, not
-the rate limit.
+the rate limit. `production_server` starts docker-compose.yml's service instead (gunicorn with three
+workers, Celery worker and beat, production settings) on a PostgreSQL/Redis environment; bench/service.py
+measures both.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,33 +52,95 @@ class Server:
     var_dir: Path
     env: dict[str, str]
     process: subprocess.Popen = field(repr=False)
+    processes: list[subprocess.Popen] = field(default_factory=list, repr=False)  # all it started
 
 
-@contextlib.contextmanager
-def seeded_server(var_dir: Path, *, worker: bool = True) -> Iterator[Server]:
-    """A migrated, seeded SQLite broker under `var_dir`, served on a free loopback port."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(WHALEZEN_VAR_DIR=str(var_dir), DJANGO_SETTINGS_MODULE="broker.settings",
-               WHALEZEN_SUBMIT_RATE="1000000/min", WHALEZEN_TASKS_EAGER="0", DJANGO_DEBUG="1")
+def _seed(env: dict[str, str]) -> list[str]:
+    """Migrate and seed the demo data; the demo tokens (acme's first)."""
     subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
     seeded = subprocess.run([sys.executable, "manage.py", "seed_demo"], cwd=ROOT, env=env, check=True,
                             capture_output=True, text=True).stdout
-    tokens = [line.split()[2] for line in seeded.splitlines() if line.startswith("TOKEN ")]
+    return [line.split()[2] for line in seeded.splitlines() if line.startswith("TOKEN ")]
+
+
+def bench_env(var_dir: Path, db_env: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a bench server: a var dir of its own, the submission throttle lifted, the
+    given database (none: the embedded SQLite under `var_dir`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update({"WHALEZEN_VAR_DIR": str(var_dir), "DJANGO_SETTINGS_MODULE": "broker.settings",
+                "WHALEZEN_SUBMIT_RATE": "1000000/min", "WHALEZEN_TASKS_EAGER": "0", "DJANGO_DEBUG": "1",
+                **(db_env or {}), **extra})
+    return env
+
+
+@contextlib.contextmanager
+def seeded_server(var_dir: Path, *, worker: bool = True, env: dict[str, str] | None = None,
+                  prepare: Callable[[dict[str, str]], None] | None = None) -> Iterator[Server]:
+    """A migrated, seeded SQLite broker under `var_dir`, served on a free loopback port: what `make run`
+    starts less the demo agents (`serve --no-agents`), or the web server alone (`worker=False`).
+    `prepare(env)` runs after seeding, before the server starts (e.g. bulk data)."""
+    env = env or bench_env(var_dir)
+    tokens = _seed(env)
+    if prepare is not None:
+        prepare(env)
     port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     if worker:
         command = ["manage.py", "serve", "--no-agents", "--host", "127.0.0.1", "--port", str(port)]
     else:
         command = web_command(host="127.0.0.1", port=port)[1:]
+    with _served([[sys.executable, *command]], var_dir, env, f"http://127.0.0.1:{port}", tokens) as server:
+        yield server
+
+
+# What docker-compose.yml runs (web, worker, beat), on loopback: the production settings, gunicorn with
+# three sync workers, Celery with four.
+PRODUCTION_ENV = {"DJANGO_ENV": "production", "DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "bench-" + "x" * 60,
+                  "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost", "DJANGO_SECURE_SSL_REDIRECT": "0",
+                  "DJANGO_CSRF_TRUSTED_ORIGINS": "http://127.0.0.1"}
+
+
+def production_commands(port: int, *, worker: bool = True, var_dir: Path) -> list[list[str]]:
+    """docker-compose.yml's web (and worker and beat) commands, bound to loopback."""
+    bin_dir = Path(sys.executable).parent
+    commands = [[str(bin_dir / "gunicorn"), "broker.wsgi", "--bind", f"127.0.0.1:{port}", "--workers", "3",
+                 "--timeout", "60"]]
+    if worker:
+        commands += [[str(bin_dir / "celery"), "-A", "broker", "worker", "--loglevel", "WARNING",
+                      "--concurrency", "4"],
+                     [str(bin_dir / "celery"), "-A", "broker", "beat", "--loglevel", "WARNING", "--schedule",
+                      str(var_dir / "celerybeat-schedule")]]
+    return commands
+
+
+@contextlib.contextmanager
+def production_server(var_dir: Path, db_env: dict[str, str], *, worker: bool = True,
+                      prepare: Callable[[dict[str, str]], None] | None = None) -> Iterator[Server]:
+    """The docker-compose.yml service without docker: migrate, seed_demo, then gunicorn (3 workers)
+    plus, with `worker`, the Celery worker and beat, on the given PostgreSQL/Redis environment."""
+    env = bench_env(var_dir, db_env, **PRODUCTION_ENV)
+    tokens = _seed(env)
+    if prepare is not None:
+        prepare(env)
+    port = _free_port()
+    with _served(production_commands(port, worker=worker, var_dir=var_dir), var_dir, env,
+                 f"http://127.0.0.1:{port}", tokens) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _served(commands: list[list[str]], var_dir: Path, env: dict[str, str], base: str,
+            tokens: list[str]) -> Iterator[Server]:
     log = open(var_dir / "server.log", "ab")
-    # Its own process group: serve's children (web, worker) stop with it even if it is killed.
-    process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    # Each in its own process group: a command's children (web, worker) stop with it even if it is killed.
+    processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True) for command in commands]
     try:
         _wait_up(base)
-        yield Server(base=base, tokens=tokens, var_dir=var_dir, env=env, process=process)
+        yield Server(base=base, tokens=tokens, var_dir=var_dir, env=env, process=processes[0],
+                     processes=processes)
     finally:
-        _stop(process)
+        for process in processes:
+            _stop(process)
         _reap(var_dir)
         log.close()
 
@@ -145,13 +209,20 @@ def summarize(answers: list[Answer], seconds: float, concurrency: int) -> dict:
     return {
         "requests": len(answers), "concurrency": concurrency, "seconds": round(seconds, 2),
         "requests_per_s": round(len(answers) / seconds, 1) if seconds else None,
-        "p50_ms": round(statistics.median(latencies) * 1000, 1), "p99_ms": round(latencies[p99_index] * 1000, 1),
+        "p50_ms": round(statistics.median(latencies) * 1000, 1),
+        "p95_ms": round(percentile(latencies, 95) * 1000, 1), "p99_ms": round(latencies[p99_index] * 1000, 1),
         "statuses": {str(k): v for k, v in sorted(Counter(a.status for a in answers).items(), key=str)},
         "errors": len(errors),
         "html_errors": sum(1 for a in errors if "html" in a.content_type),
         "jobs_created": sum(1 for a in answers if a.status == 201),
         "error_kinds": dict(Counter(_excerpt(a) for a in errors).most_common(5)),
     }
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """The nearest-rank percentile of an ascending list (p99 of 200 values: the 198th)."""
+    index = min(len(sorted_values) - 1, max(0, round(pct / 100 * len(sorted_values)) - 1))
+    return sorted_values[index]
 
 
 def _excerpt(answer: Answer) -> str:
