@@ -6,17 +6,23 @@ speeds as CU ratings, every pending job with its remaining work as expected dura
 engine and turns the plan back into simulator actions: placements on nodes become starts,
 placements on launches become instance launches, migrations (defragmentation, and the engine's
 consolidation of under-used rented instances) become a checkpointed stop + start, preemptions
-become stops. Whether a cycle runs at all is the broker's rule (`scheduling.moves.cycle_wanted`).
+become stops (a reclaim preemption, which returns a team's nominal quota, checkpoints first:
+the broker checkpoints then stops it). Whether a cycle runs at all is the broker's rule
+(`scheduling.moves.cycle_wanted`).
+
+Shared capacity (issue 11): `quotas` are passed as `Snapshot.quotas` every cycle, and `usage`, when
+given, is called with the simulator each cycle for `Snapshot.usage` (the teams' decayed GPU-hours;
+bench.fairshare keeps them). Without either the snapshot is what it always was.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Sequence
 
 from scheduling.model import (
-    CloudOffer, GpuModelInfo, GpuState, JobDemand, NodeState, Plan, Policy, PolicyWeights,
-    RunningAllocation, Snapshot,
+    CloudOffer, GpuModelInfo, GpuState, JobDemand, NodeState, Plan, Policy, PolicyWeights, QuotaShare,
+    RunningAllocation, Snapshot, TeamUsage,
 )
 from scheduling.moves import MoveRules, cycle_wanted
 from scheduling.sim.events import Action, Launch, Simulator, Start, Stop
@@ -26,7 +32,8 @@ BIG_MEM = 10_000_000
 GPU_MEMORY_MB = 32_768
 
 
-def build_snapshot(sim: Simulator, weights: PolicyWeights, launchable: int, sunk: bool = True) -> Snapshot:
+def build_snapshot(sim: Simulator, weights: PolicyWeights, launchable: int, sunk: bool = True,
+                   quotas: Sequence[QuotaShare] = (), usage: Sequence[TeamUsage] = ()) -> Snapshot:
     nodes = []
     for nid, run in sorted(sim.nodes.items()):
         gpus = tuple(GpuState(i, f"{nid}-gpu{i}", run.node.model, GPU_MEMORY_MB,
@@ -41,7 +48,7 @@ def build_snapshot(sim: Simulator, weights: PolicyWeights, launchable: int, sunk
     for r in sim.running:
         ran = max(0.0, sim.now - (r.start_s or sim.now))
         running.append(RunningAllocation(
-            r.job.id, r.node_id or "", r.gpus, preemptible=r.job.checkpointable,
+            r.job.id, r.node_id or "", r.gpus, tenant=r.job.tenant, preemptible=r.job.checkpointable,
             checkpointable=r.job.checkpointable, run_seconds=ran,
             checkpoint_age_s=ran % sim.checkpoint_s, restart_cost_s=sim.restart_s,
             # the work left at this run's start: the engine subtracts what it has run since
@@ -53,7 +60,7 @@ def build_snapshot(sim: Simulator, weights: PolicyWeights, launchable: int, sunk
                    for o in sim.offers)
     models = tuple(GpuModelInfo(m, cu_rating=s) for m, s in sorted(sim.speeds.items()))
     return Snapshot(now=sim.now, nodes=tuple(nodes), pending=pending, running=tuple(running),
-                    offers=offers, gpu_models=models, weights=weights)
+                    offers=offers, gpu_models=models, weights=weights, quotas=tuple(quotas), usage=tuple(usage))
 
 
 def _demand(run, work_s: float) -> JobDemand:
@@ -65,8 +72,8 @@ def _demand(run, work_s: float) -> JobDemand:
 
 def plan_to_actions(plan: Plan) -> list[Action]:
     actions: list[Action] = []
-    for p in plan.preemptions:
-        actions.append(Stop(p.victim_job_id))
+    for p in plan.preemptions:  # a reclaim checkpoints first; a priority preemption loses work
+        actions.append(Stop(p.victim_job_id, checkpoint=p.cause == "reclaim"))
     for m in plan.migrations:  # planned moves: checkpoint first, only the restart is lost
         actions.append(Stop(m.job_id, checkpoint=True))
         if m.to.node_id is not None:
@@ -91,7 +98,8 @@ class EnginePolicy:
     def __init__(self, policy: Policy | None = None, weights: PolicyWeights | None = None,
                  launchable: int = 64, sunk: bool = False, idle_release_s: float = 0.0,
                  schedule: Callable[[Snapshot, Policy | None], Plan] | None = None,
-                 rules: MoveRules | None = None) -> None:
+                 rules: MoveRules | None = None, quotas: Sequence[QuotaShare] = (),
+                 usage: Callable[[Simulator], Sequence[TeamUsage]] | None = None) -> None:
         if schedule is None:
             from scheduling.engine import schedule as engine_schedule
             schedule = engine_schedule
@@ -106,6 +114,10 @@ class EnginePolicy:
         self.moves = 0
         self.methods: dict[str, int] = defaultdict(int)
         self.cycle_seconds: list[float] = []
+        self.quotas = tuple(quotas)
+        self.usage = usage
+        self.preemptions: dict[str, int] = defaultdict(int)  # by cause
+        self.last_plan: Plan | None = None
 
     def decide(self, sim: Simulator) -> list[Action]:
         running_on_rented = any(sim.nodes[r.node_id].offer is not None for r in sim.running
@@ -115,7 +127,12 @@ class EnginePolicy:
                             seconds_since_last_cycle=since, rules=self.rules, policy=self.policy or Policy()):
             return []
         self.last_cycle_s = sim.now
-        plan = self.schedule(build_snapshot(sim, self.weights, self.launchable, self.sunk), self.policy)
+        usage = tuple(self.usage(sim)) if self.usage is not None else ()
+        snapshot = build_snapshot(sim, self.weights, self.launchable, self.sunk, self.quotas, usage)
+        plan = self.schedule(snapshot, self.policy)
+        self.last_plan = plan
+        for p in plan.preemptions:
+            self.preemptions[p.cause] += 1
         self.methods[plan.solver.method] += 1
         self.cycle_seconds.append(plan.solver.solve_seconds)
         self.moves += len(plan.migrations)
