@@ -7,6 +7,7 @@ from broker.ops.services import periodic_run_record
 from broker.scheduler.services import scheduling_cycle_run, tenants_to_schedule
 from broker.scheduler.timeouts import stalled_boots_retire, stalled_starts_requeue
 from broker.tenancy.models import Tenant
+from broker.tenancy.services import fair_share_usage_sweep
 
 
 @shared_task(name="scheduler.cycle", acks_late=True, ignore_result=True)
@@ -18,10 +19,12 @@ def scheduling_cycle(tenant_id: int) -> None:
 
 @shared_task(name="scheduler.sweep", ignore_result=True)
 def scheduling_sweep() -> None:
-    """Periodic: give up on stalled starts and boots, then run a cycle for every tenant with pending work
-    or a consolidation due (this also catches anything a lost message missed)."""
+    """Periodic: give up on stalled starts and boots, bring fair-share usage up to date, then run a cycle
+    for every scheduling component with pending work or a consolidation due (this also catches anything
+    a lost message missed). One cycle per component: it covers every team sharing capacity."""
     stalled_starts_requeue()
     stalled_boots_retire()
+    fair_share_usage_sweep()
     for tenant in tenants_to_schedule():
         scheduling_cycle.delay(tenant.pk)
     periodic_run_record(name="scheduler.sweep")  # /healthz: scheduling is alive

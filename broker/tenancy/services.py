@@ -10,6 +10,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from broker.tenancy import tokens
@@ -190,3 +191,20 @@ def fair_share_usage_update(*, tenants: Sequence[Tenant], now: datetime | None =
                     row.save(update_fields=["decayed_hours", "updated_at"])
             result[slug[key[0]], key[1]] = row.decayed_hours
     return result
+
+
+def fair_share_usage_sweep(*, now: datetime | None = None) -> int:
+    """Bring every team's usage up to date, whether or not a cycle runs for it: cycles run only while
+    something is pending, and a team whose jobs ran for days with nothing pending would otherwise be
+    charged (or not) for those days all at once with whatever it holds at the next cycle. Periodic
+    (the scheduler's sweep); returns how many teams were updated."""
+    from broker.inventory.models import PoolKind
+    from broker.jobs.models import AllocationSlice
+
+    holding = AllocationSlice.objects.filter(active=True, gpu__node__pool__kind=PoolKind.ONPREM).values(
+        "allocation__job__tenant_id")
+    with_rows = FairShareUsage.objects.values("tenant_id")
+    tenants = list(Tenant.objects.filter(Q(pk__in=holding) | Q(pk__in=with_rows)).order_by("pk"))
+    if tenants:
+        fair_share_usage_update(tenants=tenants, now=now)
+    return len(tenants)

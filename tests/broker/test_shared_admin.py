@@ -181,3 +181,18 @@ def test_every_cycle_updates_the_components_usage_with_the_configured_half_life(
                                   updated_at=timezone.now() - timedelta(hours=2))
     scheduling_cycle_run(tenant=acme.tenant)  # nothing pending: the decay happens all the same
     assert FairShareUsage.objects.get(tenant=acme.tenant).decayed_hours == pytest.approx(2.0, rel=1e-3)
+
+
+def test_the_sweep_charges_running_jobs_even_when_no_cycle_runs(acme, gpu_models):
+    """Nothing pending, so no cycle: the periodic sweep still adds what acme's job holds on owned GPUs."""
+    from broker.scheduler.services import tenants_to_schedule
+    from broker.tenancy.services import fair_share_usage_sweep
+
+    job = submit(acme, resources={"gpus": 2})
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0, 1))])
+    assert tenants_to_schedule() == []
+    t0 = timezone.now()
+    assert fair_share_usage_sweep(now=t0) == 1
+    fair_share_usage_sweep(now=t0 + timedelta(minutes=30))
+    row = FairShareUsage.objects.get(tenant=acme.tenant, flavor="A100-80GB")
+    assert row.decayed_hours == pytest.approx(1.0, rel=1e-3)  # 2 GPUs x 0.5 h (the decay of 0 is 0)
