@@ -79,8 +79,12 @@ def _no_candidate_reason(problem: Problem, job: JobDemand, demand_class: DemandC
     combined: Counter = Counter(demand_class.rejections)
     combined.update(offer_counts)
     order = {name: i for i, name in enumerate(problem.policy.filters)}
-    if combined:
-        top = min(combined, key=lambda name: (-combined[name], order.get(name, 99)))
+    # Nodes of pools the team cannot use say nothing about why it waits where it may run: they give
+    # the headline only when nothing else rejected anything (on a shared cluster they outnumber the
+    # team's full nodes, and the planners, reclaim included, skip NO_POOL_ACCESS jobs).
+    heard = {name: n for name, n in combined.items() if n and name != "pool_access"} or dict(combined)
+    if heard:
+        top = min(heard, key=lambda name: (-heard[name], order.get(name, 99)))
         code = FILTERS[top].code
     else:
         code = ReasonCode.INSUFFICIENT_GPUS

@@ -142,10 +142,6 @@ def test_a_team_within_its_nominal_is_not_reclaimed(acme, globex, gpu_models):
     assert "acme uses 0/0 nominal H100-80GB" in mine.pending_reason, mine.pending_reason
 
 
-@pytest.mark.xfail(strict=True, reason="engine: a job blocked by capacity on the shared pool is explained as "
-                   "NO_POOL_ACCESS when other teams' private nodes outnumber the full ones (explain.py picks the "
-                   "most frequent rejection, ties by filter order), and NO_POOL_ACCESS jobs are never reclaimed "
-                   "for (engine.NOT_CAPACITY_CODES)")
 def test_reclaim_also_happens_when_the_teams_have_private_clusters_too(acme, globex, gpu_models, root):  # noqa: F811
     """As test_a_borrower_without_checkpoints..., but acme and globex keep their own A100 nodes."""
     platform = make_platform(gpu_models)

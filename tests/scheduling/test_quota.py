@@ -183,3 +183,17 @@ def test_compute_unit_quotas_count_every_model_by_its_rating():
     plan = schedule(snap, replace(POLICY, borrowing=False))
     # An H100 is 2 CU: 8 CU of nominal is 4 H100s, so two of the four 2-GPU jobs.
     assert len(plan.placements) == 2
+
+
+def test_other_teams_private_nodes_do_not_hide_that_the_shared_pool_is_full():
+    # globex's two private nodes outnumber the one shared node acme may use, which globex fills.
+    nodes = [busy("shared", range(8)), gpu_node("g1", price=0.0, tenants=("globex",)),
+             gpu_node("g2", price=0.0, tenants=("globex",))]
+    nodes[0] = replace(nodes[0], tenants=("acme", "globex"))
+    running = [held("globex", "shared", range(8), "theirs")]
+    snap = snapshot(nodes, jobs("acme", 1, gpus=8), running=running, quotas=quotas(acme=8, globex=0))
+    plan = schedule(snap, POLICY)
+    assert plan.pending["acme0"].code == ReasonCode.RECLAIMING
+    assert [p.victim_job_id for p in plan.preemptions] == ["theirs"]
+    alone = replace(snap, quotas=())
+    assert schedule(alone, POLICY).pending["acme0"].code == ReasonCode.INSUFFICIENT_GPUS
