@@ -22,7 +22,8 @@ import sys
 import time
 from typing import Sequence
 
-from bench.migration import Api, backend, service, wait_for
+from bench.backends import backend
+from bench.migration import Api, service, wait_for
 from bench.procs import live_processes
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")

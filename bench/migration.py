@@ -51,11 +51,10 @@ from typing import Any, TypeVar
 
 import yaml
 
+from bench.backends import POSTGRES_SERVER, REDIS_SERVER, backend  # noqa: F401 (re-exported)
 from bench.procs import live_processes
 
 ROOT = Path(__file__).resolve().parents[1]
-POSTGRES_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
-REDIS_SERVER = "redis://127.0.0.1:6379"
 POLL_S = 0.1  # the brief's polling interval for state changes
 
 # The toy's timings for the bench: short steps so a lost step is a small, well-resolved amount of
@@ -200,33 +199,6 @@ class Api:
 
 
 # -- the service ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def backend(kind: str, redis_db: int) -> Iterator[dict[str, str]]:
-    """Environment for one database kind; a PostgreSQL database and Redis db of the bench's own."""
-    if kind == "sqlite":
-        yield {}
-        return
-    if kind != "postgresql":
-        raise SystemExit(f"unknown --db {kind!r} (sqlite or postgresql)")
-    import psycopg
-    import redis
-
-    name = f"wz_bench_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    queue = redis.Redis.from_url(f"{REDIS_SERVER}/{redis_db}")
-    if queue.dbsize():  # not ours to flush afterwards: refuse rather than lose someone's data
-        raise SystemExit(f"Redis db {redis_db} is not empty; pick another with --redis-db")
-    with psycopg.connect(POSTGRES_SERVER, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield {"DATABASE_URL": f"postgresql://postgres@127.0.0.1:5432/{name}",
-               "REDIS_URL": f"{REDIS_SERVER}/{redis_db}", "WHALEZEN_QUEUE": name}
-    finally:
-        with psycopg.connect(POSTGRES_SERVER, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        queue.flushdb()
-        queue.close()
-
-
 @dataclass
 class Service:
     base: str

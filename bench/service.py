@@ -13,7 +13,9 @@ Parts (each per database kind of --db unless said otherwise):
   pods of `openb_pod_list_default.csv`, submitted through `job_submit` round-robin for the four teams.
   `scheduling_cycle_run` is timed in this process on the real database (a fresh PostgreSQL database, or
   SQLite in a temporary var dir), then once more with nothing new (the idle cycle: the same jobs still
-  pending for the same reasons). Before each repetition the state is reset to what the seeding left: every
+  pending for the same reasons; after a fresh start that is whatever the first cycle could not place).
+  After the largest size, `--saturated` (5,000) measures the idle cycle on the full cluster: what fits
+  placed, 5,000 jobs left pending (the newest beyond them cancelled), nothing new. Before each repetition the state is reset to what the seeding left: every
   row a cycle added (allocations, slices, events, cloud instances, moves, fair-share usage, ...) deleted,
   every job PENDING again with its submission reason; node epochs are left as they are.
   Phases come from `CycleOutcome.phases` when the broker gives them, else from timing the cycle's own
@@ -59,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.migration import backend
+from bench.backends import backend
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -120,7 +122,7 @@ def sample_pods(count: int, seed: int = 0, path: Path = PODS_CSV) -> list[tuple[
 def cycle_entry(db: str, pending: int, nodes: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One size's entry in issue 12's shape (medians over the runs) plus what the runs did."""
     return {
-        "db": db, "pending": pending, "nodes": nodes,
+        "db": db, "pending": pending, "nodes": nodes, "scenario": "fresh",
         "median_s": median([r["cycle_s"] for r in runs]),
         "idle_median_s": median([r["idle_s"] for r in runs]),
         "phases": {p: median([r["phases"].get(p) for r in runs]) for p in PHASES},
@@ -319,15 +321,45 @@ def cycle_worker(opts: dict[str, Any]) -> list[dict[str, Any]]:
             if time.monotonic() > budget_end and rep + 1 < opts["repeat"]:
                 say(f"[cycle {opts['db']}] {size}: time budget spent after {rep + 1} runs")
                 break
-        baseline.reset()
         entries.append(cycle_entry(opts["db"], size, seeded["nodes"], runs))
+        if size == sizes[-1] and opts.get("saturated"):
+            entries.append(saturated_idle(opts, seeded["nodes"], seeded["teams"][0], say))
+        baseline.reset()
     return entries
+
+
+def saturated_idle(opts: dict[str, Any], nodes: int, tenant: Any, say: Any) -> dict[str, Any]:
+    """The idle cycle on a full cluster: after the largest size's last cycle has placed what fits, the
+    newest pending jobs beyond `saturated` are cancelled, one cycle runs (the remaining jobs' reasons
+    settle), then the cycle is timed at least 5 times with nothing new: `saturated` jobs pending for the
+    same reasons as last cycle (issue 12: under 200 ms at 5,000)."""
+    from broker.jobs.models import Job
+    from broker.jobs.states import JobState
+
+    pending = Job.objects.filter(state=JobState.PENDING)
+    excess = pending.count() - opts["saturated"]
+    if excess > 0:
+        ids = list(pending.order_by("-id").values_list("id", flat=True)[:excess])
+        Job.objects.filter(pk__in=ids).update(state=JobState.CANCELLED)
+    settle_s, _, _, _ = _timed_cycle(tenant)
+    runs = []
+    for rep in range(max(opts["repeat"], 5)):  # idle cycles are cheap: always at least 5
+        seconds, phases, source, outcome = _timed_cycle(tenant)
+        runs.append({"cycle_s": round(settle_s, 4), "phases": {}, "phases_from": source, "idle_s": round(seconds, 4),
+                     "idle_phases": phases, "placed": len(outcome.placed), "launched": len(outcome.launched),
+                     "conflicts": len(outcome.conflicts), "idle_pending": pending.count()})
+        say(f"[cycle {opts['db']}] full cluster, idle run {rep + 1}: {json.dumps(runs[-1])}")
+    entry = cycle_entry(opts["db"], runs[0]["idle_pending"] if runs else 0, nodes, runs)
+    entry.update(scenario="full cluster, nothing new", settle_s=round(settle_s, 4), median_s=None, max_s=None,
+                 phases=entry["idle_phases"])
+    return entry
 
 
 def measure_cycle(db: str, args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
     """Migrate a fresh database of `db` kind and run the cycle worker against it in a child process."""
     opts = {"db": db, "sizes": args.sizes, "repeat": args.repeat, "budget_s": args.cycle_budget, "seed": args.seed,
-            "nodes_csv": str(args.nodes), "pods_csv": str(args.pods), "node_limit": args.node_limit}
+            "nodes_csv": str(args.nodes), "pods_csv": str(args.pods), "node_limit": args.node_limit,
+            "saturated": args.saturated}
     with tempfile.TemporaryDirectory(prefix="wz-bench-svc-") as var, backend(db, args.redis_db) as db_env:
         env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
         env.update(WHALEZEN_VAR_DIR=var, DJANGO_SETTINGS_MODULE="broker.settings", DJANGO_DEBUG="0",
@@ -589,9 +621,10 @@ def tables(result: dict[str, Any]) -> str:
         lines.append("cycle       pending  runs  median s  idle s  snapshot   solve  commit  reasons  placed  idle pending")
         for c in result["cycle"]:
             ph = c["phases"]
-            lines.append(f"{c['db']:<11} {c['pending']:>7} {c['runs']:>5} {c['median_s']:>9} {c['idle_median_s']:>7} "
+            lines.append(f"{c['db']:<11} {c['pending']:>7} {c['runs']:>5} {str(c['median_s']):>9} {c['idle_median_s']:>7} "
                          f"{ph['snapshot']:>9} {ph['solve']:>7} {ph['commit']:>7} {ph['reasons']:>8} "
-                         f"{c['placed']:>7} {c['idle_pending']:>13}")
+                         f"{c['placed']:>7} {c['idle_pending']:>13}"
+                         + ("" if c.get("scenario", "fresh") == "fresh" else f"  ({c['scenario']})"))
     if result.get("submissions"):
         lines.append("submissions  conc     rps   p50 ms   p95 ms   p99 ms  errors  server")
         for s in result["submissions"]:
@@ -621,6 +654,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5, help="cycle repetitions per size")
     p.add_argument("--cycle-budget", type=float, default=300.0,
                    help="seconds of repetitions per size after which fewer than --repeat are kept")
+    p.add_argument("--saturated", type=int, default=5000,
+                   help="after the largest size, the idle cycle on the full cluster with this many pending (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nodes", type=Path, default=NODES_CSV)
     p.add_argument("--pods", type=Path, default=PODS_CSV)
@@ -641,7 +676,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--bulk-jobs", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.sizes, args.repeat, args.node_limit = "20,40", 2, args.node_limit or 30
+        args.sizes, args.repeat, args.node_limit, args.saturated = "20,40", 2, args.node_limit or 30, 10
         args.concurrency, args.requests_per_thread, args.min_requests = "1,4", 5, 10
         args.read_jobs, args.read_requests = 500, 10
         args.idle_seconds, args.idle_windows = 2.0, 1

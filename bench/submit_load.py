@@ -88,7 +88,7 @@ def seeded_server(var_dir: Path, *, worker: bool = True, env: dict[str, str] | N
         command = ["manage.py", "serve", "--no-agents", "--host", "127.0.0.1", "--port", str(port)]
     else:
         command = web_command(host="127.0.0.1", port=port)[1:]
-    with _served([[sys.executable, *command]], var_dir, env, f"http://127.0.0.1:{port}", tokens) as server:
+    with _served([([sys.executable, *command], {})], var_dir, env, f"http://127.0.0.1:{port}", tokens) as server:
         yield server
 
 
@@ -99,16 +99,19 @@ PRODUCTION_ENV = {"DJANGO_ENV": "production", "DJANGO_DEBUG": "0", "DJANGO_SECRE
                   "DJANGO_CSRF_TRUSTED_ORIGINS": "http://127.0.0.1"}
 
 
-def production_commands(port: int, *, worker: bool = True, var_dir: Path) -> list[list[str]]:
-    """docker-compose.yml's web (and worker and beat) commands, bound to loopback."""
+def production_commands(port: int, *, worker: bool = True, var_dir: Path) -> list[tuple[list[str], dict[str, str]]]:
+    """docker-compose.yml's web (and worker and beat) commands, bound to loopback, each with the
+    environment it adds (the web's three workers share an empty PROMETHEUS_MULTIPROC_DIR)."""
     bin_dir = Path(sys.executable).parent
-    commands = [[str(bin_dir / "gunicorn"), "broker.wsgi", "--bind", f"127.0.0.1:{port}", "--workers", "3",
-                 "--timeout", "60"]]
+    metrics = var_dir / "whalezen-metrics"
+    metrics.mkdir(parents=True, exist_ok=True)
+    commands = [([str(bin_dir / "gunicorn"), "broker.wsgi", "--bind", f"127.0.0.1:{port}", "--workers", "3",
+                  "--timeout", "60"], {"PROMETHEUS_MULTIPROC_DIR": str(metrics)})]
     if worker:
-        commands += [[str(bin_dir / "celery"), "-A", "broker", "worker", "--loglevel", "WARNING",
-                      "--concurrency", "4"],
-                     [str(bin_dir / "celery"), "-A", "broker", "beat", "--loglevel", "WARNING", "--schedule",
-                      str(var_dir / "celerybeat-schedule")]]
+        commands += [([str(bin_dir / "celery"), "-A", "broker", "worker", "--loglevel", "WARNING",
+                       "--concurrency", "4"], {}),
+                     ([str(bin_dir / "celery"), "-A", "broker", "beat", "--loglevel", "WARNING", "--schedule",
+                       str(var_dir / "celerybeat-schedule")], {})]
     return commands
 
 
@@ -128,12 +131,12 @@ def production_server(var_dir: Path, db_env: dict[str, str], *, worker: bool = T
 
 
 @contextlib.contextmanager
-def _served(commands: list[list[str]], var_dir: Path, env: dict[str, str], base: str,
+def _served(commands: list[tuple[list[str], dict[str, str]]], var_dir: Path, env: dict[str, str], base: str,
             tokens: list[str]) -> Iterator[Server]:
     log = open(var_dir / "server.log", "ab")
     # Each in its own process group: a command's children (web, worker) stop with it even if it is killed.
-    processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True) for command in commands]
+    processes = [subprocess.Popen(command, cwd=ROOT, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True) for command, extra in commands]
     try:
         _wait_up(base)
         yield Server(base=base, tokens=tokens, var_dir=var_dir, env=env, process=processes[0],
