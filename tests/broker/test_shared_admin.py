@@ -196,3 +196,21 @@ def test_the_sweep_charges_running_jobs_even_when_no_cycle_runs(acme, gpu_models
     fair_share_usage_sweep(now=t0 + timedelta(minutes=30))
     row = FairShareUsage.objects.get(tenant=acme.tenant, flavor="A100-80GB")
     assert row.decayed_hours == pytest.approx(1.0, rel=1e-3)  # 2 GPUs x 0.5 h (the decay of 0 is 0)
+
+
+def test_the_shared_demo_is_opt_in_and_idempotent(db, settings, tmp_path, monkeypatch):
+    from broker.ops.demo_agents import demo_nodes
+
+    settings.VAR_DIR = tmp_path
+    call_command("seed_demo", stdout=StringIO())
+    assert not Pool.objects.filter(tenant__slug="platform").exists() and not PoolGrant.objects.exists()
+    monkeypatch.setenv("WHALEZEN_DEMO_SHARED", "1")
+    first, second = StringIO(), StringIO()
+    call_command("seed_demo", stdout=first)
+    call_command("seed_demo", stdout=second)
+    assert first.getvalue() == second.getvalue() and "TOKEN platform " in first.getvalue()
+    pool = Pool.objects.get(tenant__slug="platform", name="shared-l40s")
+    assert demo_nodes(pool) == {"platform-l40s-0": "4xL40S"}  # serve starts its agent
+    assert sorted(PoolGrant.objects.values_list("tenant__slug", flat=True)) == ["acme", "globex"]
+    assert sorted(TeamQuota.objects.values_list("tenant__slug", "flavor", "nominal")) == [
+        ("acme", "L40S", Decimal("2")), ("globex", "L40S", Decimal("2"))]

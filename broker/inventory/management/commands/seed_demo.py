@@ -5,6 +5,12 @@ same demo. A token's secret is only known at creation, so the demo tokens are ke
 `var/demo-tokens.json` (mode 0600, beside the SQLite database); a token that file does not hold, or
 that no longer works, is replaced by a new one. Each on-prem pool records its demo nodes and their
 fake GPUs in `provider_config["demo_nodes"]`, which is how `serve` knows which agents to start.
+
+With WHALEZEN_DEMO_SHARED=1 it also seeds a shared cluster (issue 11): a `platform` tenant owning an
+on-prem pool `shared-l40s` (one node, 4 simulated L40S, an agent of its own under `serve`), shared with
+acme and globex, each with a nominal quota of 2 L40S. Off by default: the default demo, which the
+end-to-end tests drive, stays as it was. L40S is a model neither team has a cluster of, so the quota
+covers the shared GPUs only.
 """
 from __future__ import annotations
 
@@ -19,11 +25,11 @@ from django.core.management.base import BaseCommand
 from django.db import transaction
 
 from broker.inventory.gpu_catalog import DEFAULT_GPU_MODELS, compute_units_for
-from broker.inventory.models import GpuModel, Pool, PoolKind
+from broker.inventory.models import GpuModel, Pool, PoolGrant, PoolKind
 from broker.inventory.services import node_create_simulated
 from broker.ops.demo_agents import DEMO_NODES_KEY, fake_spec
 from broker.tenancy import tokens
-from broker.tenancy.models import ApiToken, Quota, Role, Tenant
+from broker.tenancy.models import ApiToken, Quota, Role, TeamQuota, Tenant
 from broker.tenancy.services import api_token_create, membership_add
 
 DEMO_TOKEN_NAME = "demo"
@@ -50,6 +56,39 @@ SIM_CLOUD_CONFIG = {
     ],
     "simulation": {"launch_latency_s": 3.0},
 }
+
+
+# WHALEZEN_DEMO_SHARED=1: (owner slug, pool, node prefix, nodes, model, GPUs per node, {team: nominal})
+DEMO_SHARED = ("platform", "shared-l40s", "platform-l40s", 1, "L40S", 4, {"acme": 2, "globex": 2})
+
+
+def seed_shared_demo(models: dict[str, GpuModel], *, password: str, saved: dict[str, str],
+                     secrets: dict[str, str]) -> list[str]:
+    """The opt-in shared cluster (module docstring); idempotent like the rest. Returns its TOKEN line."""
+    slug, pool_name, prefix, count, model_name, gpus, nominal = DEMO_SHARED
+    owner, _ = Tenant.objects.get_or_create(slug=slug, defaults={"name": "Platform"})
+    Quota.objects.get_or_create(tenant=owner)
+    User = get_user_model()
+    user, created = User.objects.get_or_create(username=f"{slug}-admin", defaults={"email": f"admin@{slug}.example"})
+    if created:
+        user.set_password(password)
+        user.save()
+    membership_add(tenant=owner, user=user, role=Role.ADMIN)
+    pool, _ = Pool.objects.get_or_create(tenant=owner, name=pool_name,
+                                         defaults={"kind": PoolKind.ONPREM, "region": "dc1",
+                                                   "gpu_hour_rate_usd": Decimal("0.90")})
+    pool.provider_config = {**(pool.provider_config or {}), DEMO_NODES_KEY: {
+        f"{prefix}-{i}": fake_spec(model_name, gpus) for i in range(count)}}
+    pool.save(update_fields=["provider_config"])
+    for i in range(count):
+        node_create_simulated(pool=pool, name=f"{prefix}-{i}", gpu_model=models[model_name], gpu_count=gpus,
+                              nvlink_island_size=0, cpu_milli=gpus * 12000, memory_mb=gpus * 120 * 1024)
+    for team_slug, amount in nominal.items():
+        team = Tenant.objects.get(slug=team_slug)
+        PoolGrant.objects.get_or_create(pool=pool, tenant=team)
+        TeamQuota.objects.get_or_create(tenant=team, flavor=model_name, defaults={"nominal": Decimal(amount)})
+    secrets[slug] = demo_token(tenant=owner, user=user, saved=saved.get(slug))
+    return [f"TOKEN {slug} {secrets[slug]}"]
 
 
 def seed_gpu_models() -> dict[str, GpuModel]:
@@ -151,6 +190,8 @@ class Command(BaseCommand):
                                               cpu_milli=gpus * 12000, memory_mb=gpus * 120 * 1024)
                 secrets[slug] = demo_token(tenant=tenant, user=user, saved=saved.get(slug))
                 lines.append(f"TOKEN {slug} {secrets[slug]}")
+            if os.environ.get("WHALEZEN_DEMO_SHARED", "0") == "1":
+                lines += seed_shared_demo(models, password=password, saved=saved, secrets=secrets)
             _save_tokens(secrets)
         _open_demo_checkpoint_root()
         for line in lines:
