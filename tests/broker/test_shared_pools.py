@@ -77,11 +77,13 @@ def test_without_a_grant_a_team_is_never_placed_on_the_shared_pool(acme, globex,
 
 def test_a_team_in_the_component_without_access_to_a_pool_waits_with_no_pool_access(acme, globex, gpu_models,
                                                                                       platform):
-    """globex shares an A100 pool with acme (so they are one component) but not the H100 pool: its H100 job
-    sees that capacity in the cycle and is told it may not use it."""
+    """globex shares a platform pool with acme (so they are one component) but not the H100 pool: its H100
+    job sees that capacity in the cycle and is told it may not use it. (globex has no cluster of its own
+    here, so pool access is the only thing that rejects a node.)"""
     pool_share(pool=platform.pool, tenant=acme.tenant)
-    a100 = make_platform(gpu_models, name="shared-a100", model="A100-80GB", tenant=platform.tenant)
-    pool_share(pool=a100.pool, tenant=globex.tenant)
+    other = Pool.objects.create(tenant=platform.tenant, name="shared-other", kind=PoolKind.ONPREM)
+    pool_share(pool=other, tenant=globex.tenant)
+    globex.pool.delete()
     assert [t.slug for t in scheduling_component(globex.tenant)] == ["acme", "globex", "platform"]
     job = submit(globex, resources=H100)
     scheduling_cycle_run(tenant=globex.tenant)
