@@ -17,6 +17,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 from django.conf import settings
 from django.db import transaction
@@ -298,7 +299,7 @@ _MOVE_CAUSES = {"defragmentation": MigrationCause.DEFRAGMENTATION, "cheaper": Mi
 
 
 def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], outcome: CycleOutcome,
-                may_use=lambda job, pool_id: True) -> None:
+                may_use: Callable[[Job, int], bool] = lambda job, pool_id: True) -> None:
     """One move the engine planned, started as a checkpointed migration to the node it chose."""
     if job is None or job.state != JobState.RUNNING or open_migration(job) is not None:
         return
