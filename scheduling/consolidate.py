@@ -25,13 +25,16 @@ from dataclasses import replace
 
 from scheduling.book import Book
 from scheduling.capacity import NodeCapacity, PartDemand
-from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, RunningAllocation
+from scheduling.model import WHOLE_GPU_MILLI, JobDemand, Migration, PlacementPart, RunningAllocation
 from scheduling.problem import Problem
 from scheduling.whatif import can_move, fits_on, running_by_node
 
 # Filters that moving a running job does not touch: it already counts against its tenant's
 # quota and budget, and it launches nothing.
-NOT_FOR_MOVES = frozenset({"tenant_quota", "tenant_budget", "offer_quota"})
+NOT_FOR_MOVES = frozenset({"tenant_quota", "tenant_budget", "offer_quota",
+                           # a move onto owned capacity is checked against the book's quota ledger
+                           # instead, so the moves of one cycle add up (`_quota_admits`)
+                           "team_quota"})
 
 
 def plan_consolidation(problem: Problem, book: Book, busy: set[str], budget: int) -> tuple[Migration, ...]:
@@ -66,6 +69,9 @@ def plan_consolidation(problem: Problem, book: Book, busy: set[str], budget: int
             destination = book.caps[position]
             destination.take(positions, part)
             book.refresh_node(position)
+            if book.quota is not None and not destination.node.rented:
+                model = destination.node.gpus[positions[0]].model if positions else ""
+                book.quota.charge(_as_job(allocation), model, _share(part))
             plan.append(Migration(
                 job_id=allocation.job_id, from_node_id=origin, reason="cheaper",
                 to=PlacementPart(gpu_indices=destination.gpu_indices(positions), gpu_milli=part.milli,
@@ -96,6 +102,7 @@ def _land_elsewhere(problem: Problem, book: Book, source: int, allocations: list
                    key=lambda p: (caps[p].node.rented, caps[p].node.price_per_gpu_hour
                                   if not caps[p].node.rented else caps[p].whole_free(), caps[p].node.id))
     trial: dict[int, NodeCapacity] = {}  # copies of the destinations taken from so far
+    ledger = book.quota.copy() if book.quota is not None else None  # quota use of the moves so far
     found: list[tuple[int, PartDemand, tuple[int, ...]] | None] = [None] * len(allocations)
     biggest_first = sorted(range(len(allocations)), key=lambda i: (-len(allocations[i].gpu_indices),
                                                                   allocations[i].job_id))
@@ -103,8 +110,14 @@ def _land_elsewhere(problem: Problem, book: Book, source: int, allocations: list
         demand = replace(allocations[i].demand, job_id=allocations[i].job_id)  # type: ignore[arg-type]
         for position in order:
             fit = fits_on(problem, demand, trial.get(position, caps[position]), position, plugins)
+            owned_model = "" if caps[position].node.rented or fit is None else fit[0].gpu_model
+            if fit is not None and ledger is not None and owned_model and not ledger.admits(
+                    demand, owned_model, _share(fit[1]), borrowing=problem.ctx.borrowing):
+                fit = None  # it would take its team past its quota of owned GPUs
             if fit is not None:
                 _, part, positions = fit
+                if ledger is not None and owned_model:
+                    ledger.charge(demand, owned_model, _share(part))
                 trial.setdefault(position, caps[position].copy()).take(positions, part)
                 found[i] = (position, part, positions)
                 break
@@ -140,3 +153,13 @@ def _pays(problem: Problem, source: int, allocations: list[RunningAllocation],
 
 def _model_of(node, gpu_indices: tuple[int, ...]) -> str:
     return next((g.model for g in node.gpus if g.index in gpu_indices), "")
+
+
+def _share(part: PartDemand) -> float:
+    return part.gpus * min(part.milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI if part.gpus else 0.0
+
+
+def _as_job(allocation: RunningAllocation):
+    """The demand a quota charge is made for (its team; a move keeps the job's own demand)."""
+    return replace(allocation.demand, job_id=allocation.job_id) if allocation.demand is not None else \
+        JobDemand(allocation.job_id, tenant=allocation.tenant)

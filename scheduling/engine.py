@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from scheduling.book import Book
 from scheduling.capacity import NodeCapacity
@@ -33,7 +33,7 @@ from scheduling.model import (
     Migration, Placement, Plan, Policy, Preemption, Reason, ReasonCode, Snapshot, SolverInfo,
 )
 from scheduling.objective import evaluate
-from scheduling.preemption import plan_preemptions, plan_reclaims
+from scheduling.preemption import plan_preemptions, plan_reclaims, waits_for_borrowed, within_nominal
 from scheduling.problem import Problem, build_problem, workload_classes
 from scheduling.quota_reasons import annotate_quota_steps
 
@@ -56,8 +56,12 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
     started = time.perf_counter()
     policy = policy or Policy()
     nominal_placements: dict[str, Placement] = {}
+    preemptions: tuple[Preemption, ...] = ()
+    early: dict[str, Reason] = {}
     if snapshot.quotas:
-        problem, book, info, nominal_placements = _place_in_quota_phases(snapshot, policy, started)
+        phases = _place_in_quota_phases(snapshot, policy, started)
+        problem, book, info, nominal_placements = phases.problem, phases.book, phases.info, phases.nominal_placements
+        preemptions, early = phases.reclaims, phases.reclaiming or {}
     else:
         problem = build_problem(snapshot, policy)
         book, info = place(problem, [cap.copy() for cap in problem.capacities], started)
@@ -69,11 +73,11 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
     # is cheaper than any fit.
     blocked = [job_id for job_id in pending if reasons[job_id].code not in NOT_CAPACITY_CODES
                and not reasons[job_id].data.get("waiting_cheaper")]
-    preemptions: tuple[Preemption, ...] = ()
     migrations: tuple[Migration, ...] = ()
     if book.quota is not None and policy.reclaim and blocked:
-        preemptions = plan_reclaims(problem, book, blocked)
-        _explain_reclaims(problem, reasons, preemptions)
+        late = plan_reclaims(problem, book, blocked, exclude=frozenset(p.victim_job_id for p in preemptions))
+        _explain_reclaims(problem, reasons, late)
+        preemptions += late
         blocked = [job_id for job_id in blocked if reasons[job_id].code != ReasonCode.RECLAIMING]
     if policy.preemption and blocked:
         priority = plan_preemptions(problem, book, blocked)
@@ -91,8 +95,9 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
         migrations += plan_consolidation(problem, book, busy, budget)
 
     book.compact_instances()
+    reasons.update(early)
     if book.quota is not None:
-        annotate_quota_steps(problem, book, reasons)
+        annotate_quota_steps(problem, book, reasons, {job.job_id: job for job in snapshot.pending})
     placed = {**nominal_placements, **book.placements}
     placements = tuple(placed[j.job_id] for j in sorted(snapshot.pending, key=lambda j: j.job_id)
                        if j.job_id in placed)
@@ -102,11 +107,24 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
                 migrations=migrations, pending=dict(sorted(reasons.items())), solver=info)
 
 
-def _place_in_quota_phases(snapshot: Snapshot, policy: Policy, started: float
-                           ) -> tuple[Problem, Book, SolverInfo, dict[str, Placement]]:
-    """Step 2 under quotas: the nominal phase, then the borrowing-and-renting phase on what it left
-    (each with half the cycle's time). Returns the second phase's problem and book (what the
-    planners and explanations work on), its solver info and the first phase's placements."""
+@dataclass
+class QuotaPhases:
+    """What the quota phases hand the rest of the cycle (`_place_in_quota_phases`)."""
+
+    problem: Problem  # the borrowing phase's: what the planners and explanations work on
+    book: Book
+    info: SolverInfo
+    nominal_placements: dict[str, Placement]
+    # Reclaims planned before the borrowing phase, and the jobs they are for (kept out of it).
+    reclaims: tuple[Preemption, ...] = ()
+    reclaiming: dict[str, Reason] | None = None
+
+
+def _place_in_quota_phases(snapshot: Snapshot, policy: Policy, started: float) -> QuotaPhases:
+    """Step 2 under quotas: the nominal phase; reclaim for jobs whose nominal share other teams
+    borrow (before the next phase, or they would rent instead and the team would never get its
+    share back); then the borrowing-and-renting phase on what the nominal phase left. Each phase
+    has half the cycle's time."""
     halved = replace(policy, time_limit_s=policy.time_limit_s * 0.5)
     # Both phases measure fragmentation against the whole queue's task mix.
     workload = snapshot.workload or workload_classes(snapshot)
@@ -115,19 +133,44 @@ def _place_in_quota_phases(snapshot: Snapshot, policy: Policy, started: float
     if first.ctx.quota is None:  # quotas name no flavor this snapshot has: one phase as usual
         problem = build_problem(snapshot, policy)
         book, info = place(problem, [cap.copy() for cap in problem.capacities], started)
-        return problem, book, info, {}
+        return QuotaPhases(problem, book, info, {})
     first_book, first_info = place(first, [cap.copy() for cap in first.capacities], started)
-    rest = tuple(job for job in snapshot.pending if job.job_id not in first_book.placements)
+    rest = [job for job in snapshot.pending if job.job_id not in first_book.placements]
+    ledger = first_book.quota.copy()
+    reclaims: tuple[Preemption, ...] = ()
+    reclaiming: dict[str, Reason] = {}
+    if policy.reclaim and rest:
+        models = sorted({g.model for cap in first_book.caps if not cap.node.rented for g in cap.node.gpus
+                         if g.healthy})
+        waiting = [job for job in rest if waits_for_borrowed(ledger, first.pricing, job, models)]
+        if waiting:
+            probe = build_problem(replace(snapshot, pending=tuple(waiting), workload=workload), halved,
+                                  capacities=first_book.caps, quota=ledger.copy())
+            probe.policy = policy
+            probe_book = Book(probe, capacities=first_book.caps)
+            reclaims = plan_reclaims(probe, probe_book, [job.job_id for job in waiting])
+            lent_out = {job.job_id: Reason(ReasonCode.NOMINAL_QUOTA_USED,
+                                           "NOMINAL_QUOTA_USED: its team's unused nominal share is lent to other teams",
+                                           {}) for job in waiting}
+            _explain_reclaims(probe, lent_out, reclaims)
+            reclaiming = {job_id: reason for job_id, reason in lent_out.items() if reason.code == ReasonCode.RECLAIMING}
+            for job in waiting:  # their share is theirs from now: the borrowing phase must not count it free
+                if job.job_id in reclaiming:
+                    model = next((m for m in models if within_nominal(ledger, first.pricing, job, m)), "")
+                    ledger.charge(job, model, first.pricing.gpu_share(job, model))
+    rest = tuple(job for job in rest if job.job_id not in reclaiming)
     problem = build_problem(replace(snapshot, pending=rest, workload=workload), halved,
-                            capacities=first_book.caps, quota=first_book.quota)
+                            capacities=first_book.caps, quota=ledger)
     book, info = place(problem, [cap.copy() for cap in problem.capacities], started)
     problem.policy = policy  # the planners after placing use the cycle's own policy
     note = f"nominal phase placed {len(first_book.placements)} ({first_info.method})"
+    if reclaims:
+        note += f"; reclaiming for {len(reclaiming)} job(s) before borrowing"
     info = SolverInfo(info.method, info.proven_optimal and first_info.proven_optimal, info.solve_seconds,
                       (info.objective or 0.0) + (first_info.objective or 0.0), info.solver or first_info.solver,
                       info.status, info.variables + first_info.variables,
                       f"{note}; {info.note}" if info.note else note)
-    return problem, book, info, dict(first_book.placements)
+    return QuotaPhases(problem, book, info, dict(first_book.placements), reclaims, reclaiming)
 
 
 def _explain_reclaims(problem: Problem, reasons: dict[str, Reason], preemptions: tuple[Preemption, ...]) -> None:

@@ -10,9 +10,11 @@ preempted for (a gang would need victims on several nodes at once).
 
 Priority only decides within a team: a job never preempts another team's job for priority. Across
 teams capacity is taken back only by reclaim (`plan_reclaims`): a pending job that fits in its
-team's unused nominal quota may stop jobs of teams that borrow that flavor, as long as each such
-team keeps at least its own nominal, whatever their priority or run time (borrowed capacity is
-lent on those terms, as in Kueue).
+team's unused nominal quota may stop jobs of teams that borrow that flavor, whatever their priority
+or run time (borrowed capacity is lent on those terms, as in Kueue). Victims that leave their team
+at or above its nominal are preferred; a borrowed job larger than what its team borrows may be
+taken when nothing else frees the room (its team then holds a little less than its nominal, and
+that job cannot reclaim back: it no longer fits its team's unused nominal).
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ def plan_preemptions(problem: Problem, book: Book, pending: list[str]) -> tuple[
     return tuple(plan)
 
 
-def plan_reclaims(problem: Problem, book: Book, pending: list[str]) -> tuple[Preemption, ...]:
+def plan_reclaims(problem: Problem, book: Book, pending: list[str],
+                  exclude: frozenset[str] = frozenset()) -> tuple[Preemption, ...]:
     """Reclaim preemptions (module docstring) for blocked jobs that fit in their team's unused nominal
-    quota; the freed GPUs are reserved for them and charged to their team in the book's ledger."""
+    quota; the freed GPUs are reserved for them and charged to their team in the book's ledger.
+    `exclude`: running jobs already reclaimed this cycle."""
     ledger = book.quota
     if ledger is None or not problem.policy.reclaim:
         return ()
@@ -75,9 +79,15 @@ def plan_reclaims(problem: Problem, book: Book, pending: list[str]) -> tuple[Pre
     # The quota filter is what reclaim cures: the team's nominal is lent out, so it is not asked.
     plugins = tuple(p for p in problem.plugins if p.name != "team_quota")
     pricing = problem.pricing
-    taken: set[str] = set()
+    taken: set[str] = set(exclude)
     plan: list[Preemption] = []
-    order = sorted(pending, key=lambda j: (-problem.jobs_by_id[j].priority, problem.jobs_by_id[j].submitted_at, j))
+    owned_models = sorted({g.model for p in by_node for g in book.caps[p].node.gpus
+                           if g.healthy and not book.caps[p].node.rented})
+    # Only jobs that fit their team's unused nominal are considered, so a backlog of borrowers' jobs
+    # does not fill the window of JOBS_CONSIDERED.
+    eligible = [j for j in pending if any(within_nominal(ledger, pricing, problem.jobs_by_id[j], m)
+                                          for m in owned_models)]
+    order = sorted(eligible, key=lambda j: (-problem.jobs_by_id[j].priority, problem.jobs_by_id[j].submitted_at, j))
     for job_id in order[:JOBS_CONSIDERED]:
         job = problem.jobs_by_id[job_id]
         if job.nodes > 1 or problem.classes[problem.class_of[job_id]].invalid:
@@ -86,19 +96,19 @@ def plan_reclaims(problem: Problem, book: Book, pending: list[str]) -> tuple[Pre
         for position, allocations in sorted(by_node.items()):
             cap = book.caps[position]
             model = next((g.model for g in cap.node.gpus if g.healthy), "")
-            amounts = ledger.amounts(model, pricing.gpu_share(job, model))
-            if cap.node.rented or not amounts or any(
-                    amount > ledger.nominal_left(job.tenant, flavor) + 1e-9 for flavor, amount in amounts):
+            if cap.node.rented or not within_nominal(ledger, pricing, job, model):
                 continue
             victims = [a for a in allocations if a.job_id not in taken and a.preemptible and a.tenant != job.tenant
                        and _borrowing(ledger, a, cap.node)]
             if not victims or not could_ever_fit(problem, job, cap, position, plugins):
                 continue
             found = minimal_victims(problem, job, book, position, victims, plugins)
-            if found is None or not _keeps_nominal(ledger, found[0], cap.node):
+            if found is None:
                 continue
-            # GPU-seconds of work lost: one 8-GPU victim is not cheaper than four 1-GPU ones.
-            score = (sum(a.lost_work_s * len(a.gpu_indices) for a in found[0]), len(found[0]), cap.node.id)
+            # Least taken below lenders' nominal, then GPU-seconds of work lost (one 8-GPU victim is not
+            # cheaper than four 1-GPU ones).
+            score = (round(_shortfall(ledger, found[0], cap.node), 6),
+                     sum(a.lost_work_s * len(a.gpu_indices) for a in found[0]), len(found[0]), cap.node.id)
             if best is None or score < best[0]:
                 best = (score, position, found, model)
         if best is None:
@@ -117,6 +127,31 @@ def plan_reclaims(problem: Problem, book: Book, pending: list[str]) -> tuple[Pre
     return tuple(plan)
 
 
+def within_nominal(ledger, pricing, job, model: str) -> bool:
+    """The job on owned `model` fits its team's unused nominal in every managed flavor it counts in."""
+    if job.allowed_models and model not in job.allowed_models:
+        return False
+    amounts = ledger.amounts(model, pricing.gpu_share(job, model))
+    return bool(amounts) and all(amount <= ledger.nominal_left(job.tenant, flavor) + 1e-9
+                                 for flavor, amount in amounts)
+
+
+def waits_for_borrowed(ledger, pricing, job, models: list[str]) -> bool:
+    """A job that fits its team's unused nominal on some owned model of which other teams borrow at
+    least its size: reclaim, not renting, is how it gets its share (engine, before the borrowing
+    phase)."""
+    if job.nodes > 1:
+        return False
+    for model in models:
+        if not within_nominal(ledger, pricing, job, model):
+            continue
+        amounts = ledger.amounts(model, pricing.gpu_share(job, model))
+        if all(sum(ledger.borrowed(team, flavor) for team in ledger.teams if team != job.tenant) >= amount - 1e-9
+               for flavor, amount in amounts):
+            return True
+    return False
+
+
 def _held(ledger, allocation, node) -> dict[str, float]:
     """What an allocation counts against each managed flavor."""
     held: dict[str, float] = {}
@@ -128,19 +163,18 @@ def _held(ledger, allocation, node) -> dict[str, float]:
 
 
 def _borrowing(ledger, allocation, node) -> bool:
-    """Its team holds more than its nominal of this flavor by at least this allocation's share."""
+    """Its team holds more than its nominal of every flavor this allocation counts in."""
     held = _held(ledger, allocation, node)
-    return bool(held) and all(ledger.borrowed(allocation.tenant, flavor) >= amount - 1e-9
-                              for flavor, amount in held.items())
+    return bool(held) and all(ledger.borrowed(allocation.tenant, flavor) > 1e-9 for flavor in held)
 
 
-def _keeps_nominal(ledger, chosen, node) -> bool:
-    """Taking all of `chosen` leaves every victim team at or above its nominal."""
+def _shortfall(ledger, chosen, node) -> float:
+    """How far below their nominal taking all of `chosen` would leave the victims' teams."""
     taking: dict[tuple[str, str], float] = {}
     for allocation in chosen:
         for flavor, amount in _held(ledger, allocation, node).items():
             taking[allocation.tenant, flavor] = taking.get((allocation.tenant, flavor), 0.0) + amount
-    return all(ledger.borrowed(team, flavor) >= amount - 1e-9 for (team, flavor), amount in taking.items())
+    return sum(max(0.0, amount - ledger.borrowed(team, flavor)) for (team, flavor), amount in taking.items())
 
 
 def preemptions_for(snapshot: Snapshot, policy: Policy | None = None,

@@ -41,13 +41,17 @@ def best_step(ledger: QuotaLedger, problem: Problem, job: JobDemand, models: lis
     return best
 
 
-def annotate_quota_steps(problem: Problem, book: Book, reasons: dict[str, Reason]) -> None:
+def annotate_quota_steps(problem: Problem, book: Book, reasons: dict[str, Reason],
+                         jobs: dict[str, JobDemand] | None = None) -> None:
+    """`jobs`: every pending job of the cycle by id (default the problem's; reclaimed-for jobs of the
+    quota phases are not in the last phase's problem)."""
     ledger = book.quota
     if ledger is None:
         return
+    jobs = jobs if jobs is not None else problem.jobs_by_id
     models = owned_models(problem)
     for job_id, reason in list(reasons.items()):
-        job = problem.jobs_by_id[job_id]
+        job = jobs[job_id]
         step, model = best_step(ledger, problem, job, models)
         data = dict(reason.data)
         if step == "none":

@@ -197,3 +197,54 @@ def test_other_teams_private_nodes_do_not_hide_that_the_shared_pool_is_full():
     assert [p.victim_job_id for p in plan.preemptions] == ["theirs"]
     alone = replace(snap, quotas=())
     assert schedule(alone, POLICY).pending["acme0"].code == ReasonCode.INSUFFICIENT_GPUS
+
+
+def test_a_team_within_its_nominal_reclaims_instead_of_renting():
+    # acme borrows all 16 owned GPUs; globex's job fits its unused nominal: it gets its share back
+    # rather than a rented instance (renting would leave acme on globex's share indefinitely).
+    nodes = [busy("n0", range(8)), busy("n1", range(8))]
+    running = [held("acme", "n0", range(8), "a-big")] + [held("acme", "n1", [g], f"a{g}") for g in range(8)]
+    snap = snapshot(nodes, jobs("globex", 1, gpus=4), running=running, offers=[offer("p4d", launchable=2)],
+                    quotas=quotas(acme=8, globex=8))
+    plan = schedule(snap, POLICY)
+    assert plan.launches == () and plan.placements == ()
+    assert sorted(p.victim_job_id for p in plan.preemptions) == ["a0", "a1", "a2", "a3"]
+    assert plan.pending["globex0"].code == ReasonCode.RECLAIMING
+    assert plan_violations(snap, plan) == []
+    # acme's own job beyond its nominal still rents: nobody owes it anything.
+    more = replace(snap, pending=tuple(jobs("acme", 1, gpus=8, start=900)))
+    assert schedule(more, POLICY).launches
+
+
+def test_a_backlog_of_borrowers_jobs_does_not_hide_a_job_owed_a_reclaim():
+    nodes = [busy("n0", range(8))]
+    running = [held("acme", "n0", [g], f"a{g}") for g in range(8)]
+    backlog = jobs("acme", 40)  # older, and all beyond acme's nominal
+    snap = snapshot(nodes, backlog + jobs("globex", 1, start=100), running=running, quotas=quotas(acme=4, globex=4))
+    plan = schedule(snap, POLICY)
+    assert plan.pending["globex0"].code == ReasonCode.RECLAIMING
+
+
+def test_a_borrowed_job_bigger_than_what_its_team_borrows_is_taken_when_nothing_else_frees_room():
+    # globex holds two 8-GPU jobs against a nominal of 9 (7 borrowed); acme needs 1 of its nominal 7.
+    nodes = [busy("n0", range(8)), busy("n1", range(8))]
+    running = [held("globex", "n0", range(8), "g-a"), held("globex", "n1", range(8), "g-b")]
+    snap = snapshot(nodes, jobs("acme", 1), running=running, quotas=quotas(acme=7, globex=9))
+    plan = schedule(snap, POLICY)
+    assert len(plan.preemptions) == 1 and plan.preemptions[0].cause == "reclaim"
+    assert plan.pending["acme0"].code == ReasonCode.RECLAIMING
+
+
+def test_moves_back_from_rented_capacity_respect_strict_quotas():
+    # acme runs 4 one-GPU jobs on a rented instance; the owned node is idle, acme's nominal is 2:
+    # under strict quotas at most 2 of them may move onto owned GPUs.
+    rented = gpu_node("i-1", gpus=4, price=3.0, rented=True, used={g: 1000 for g in range(4)})
+    owned = gpu_node("n0", price=0.0)
+    running = [held("acme", "i-1", [g], f"r{g}", demand=job(f"r{g}", tenant="acme", expected_duration_hours=10.0))
+               for g in range(4)]
+    running = [replace(a, run_seconds=5000.0) for a in running]
+    snap = snapshot([rented, owned], [], running=running, quotas=quotas(acme=2, globex=6))
+    strict = schedule(snap, replace(POLICY, consolidation=True, borrowing=False))
+    onto_owned = [m for m in strict.migrations if m.to.node_id == "n0"]
+    assert len(onto_owned) <= 2
+    assert plan_violations(snap, strict) == []
