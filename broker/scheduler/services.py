@@ -232,7 +232,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
             outcome.conflicts.append(f"preempt {preemption.victim_job_id}: {exc}")
 
     for move in plan.migrations:
-        _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome, may_use=may_use)
+        _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome, may_use=may_use, jobs=jobs)
 
     for placement in plan.placements:
         job = jobs.get(placement.job_id)
@@ -286,12 +286,42 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
     # Reasons in chunks, one transaction each: one per job took SQLite's write lock thousands of times a
     # cycle and starved the web server's writers (bench/submit_load.py: about 2x the submissions per second at 32 threads).
     pending = [(jobs[job_id], reason) for job_id, reason in plan.pending.items() if job_id in jobs]
+    listed = {str(i) for _, reason in pending for key in _JOB_LIST_KEYS
+              if isinstance(reason.data.get(key), (list, tuple)) for i in reason.data[key]}
+    team_of = {str(pk): tenant_id for pk, tenant_id in Job.objects.filter(
+        pk__in=[int(i) for i in listed if i.isdigit()]).values_list("pk", "tenant_id")}
     for start in range(0, len(pending), PENDING_REASONS_PER_TRANSACTION):
         with transaction.atomic():
             for job, reason in pending[start:start + PENDING_REASONS_PER_TRANSACTION]:
-                job_set_pending_reason(job=job, code=reason.code.value, message=reason.message,
-                                       data=_json_safe(dict(reason.data)))
+                message, data = _reason_for_team(job=job, reason=reason, team_of=team_of)
+                job_set_pending_reason(job=job, code=reason.code.value, message=message, data=_json_safe(data))
     return outcome
+
+
+# Reason data that lists other jobs: the victims of a reclaim or preemption, the jobs moved to make room.
+_JOB_LIST_KEYS = ("victims", "moved")
+
+
+def _reason_for_team(*, job: Job, reason: sm.Reason, team_of: dict[str, int]) -> tuple[str, dict]:
+    """The engine's reason as the job's own team may read it: ids of another team's jobs (the borrowed
+    jobs a reclaim stops, jobs a defragmentation moves off a shared node) are replaced by a count, in the
+    data and in the sentence, which the engine writes as ", ".join(ids). Hostile tenancy (DESIGN.md):
+    a team never learns another team's job ids."""
+    message, data = reason.message, dict(reason.data)
+    for key in _JOB_LIST_KEYS:
+        ids = data.get(key)
+        if not isinstance(ids, (list, tuple)):
+            continue
+        ids = [str(i) for i in ids]
+        own = [i for i in ids if team_of.get(i) == job.tenant_id]
+        foreign = len(ids) - len(own)
+        if not foreign:
+            continue
+        data[key] = own
+        data[f"{key}_of_other_teams"] = foreign
+        shown = own + [f"{foreign} of another team"]
+        message = message.replace(", ".join(ids), ", ".join(shown))
+    return message, data
 
 
 _MOVE_CAUSES = {"defragmentation": MigrationCause.DEFRAGMENTATION, "cheaper": MigrationCause.CONSOLIDATION,
@@ -299,7 +329,8 @@ _MOVE_CAUSES = {"defragmentation": MigrationCause.DEFRAGMENTATION, "cheaper": Mi
 
 
 def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], outcome: CycleOutcome,
-                may_use: Callable[[Job, int], bool] = lambda job, pool_id: True) -> None:
+                may_use: Callable[[Job, int], bool] = lambda job, pool_id: True,
+                jobs: dict[str, Job] | None = None) -> None:
     """One move the engine planned, started as a checkpointed migration to the node it chose."""
     if job is None or job.state != JobState.RUNNING or open_migration(job) is not None:
         return
@@ -311,7 +342,13 @@ def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], 
         outcome.conflicts.append(f"move {job.pk}: team {job.tenant.slug} may not use the pool of {target.name}")
         return
     cause = _MOVE_CAUSES.get(move.reason.split(":")[0].strip().lower(), MigrationCause.DEFRAGMENTATION)
-    why = f" to make room for job {move.for_job_id}" if move.for_job_id else ""
+    for_job = jobs.get(move.for_job_id or "") if jobs is not None else None
+    if not move.for_job_id:
+        why = ""
+    elif for_job is not None and for_job.tenant_id != job.tenant_id:
+        why = " to make room for another team's job"  # its id is not this team's business
+    else:
+        why = f" to make room for job {move.for_job_id}"
     try:
         migration_request(job=job, cause=cause, target_node=target.name,
                           message=f"Moving to {target.name} ({cause.label.lower()}{why}): checkpoint requested.")
@@ -322,8 +359,8 @@ def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], 
 
 def _job_ids(plan: sm.Plan) -> set[int]:
     ids = {p.job_id for p in plan.placements} | set(plan.pending)
-    ids |= {p.victim_job_id for p in plan.preemptions}
-    ids |= {m.job_id for m in plan.migrations}
+    ids |= {p.victim_job_id for p in plan.preemptions} | {p.for_job_id for p in plan.preemptions}
+    ids |= {m.job_id for m in plan.migrations} | {m.for_job_id for m in plan.migrations if m.for_job_id}
     return {int(i) for i in ids if str(i).isdigit()}
 
 

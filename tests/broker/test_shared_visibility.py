@@ -156,3 +156,43 @@ def test_quota_of_a_team_without_a_row_for_a_managed_flavor_is_nominal_zero(acme
 def test_quota_without_any_team_quota_has_no_quotas(acme):
     body = acme.client.get("/api/v1/quota/").json()
     assert body["quotas"] == [] and body["fair_share_factor"] is None
+
+
+def test_a_reason_naming_another_teams_jobs_shows_only_how_many(acme, globex, shared):
+    """The engine's RECLAIMING (or defragmentation) reason lists the jobs it stops or moves; on a shared
+    node some are another team's. The team reads its own ids and a count of the others."""
+    from broker.scheduler.services import plan_commit
+    from scheduling import model as sm
+
+    platform, acme_job, globex_job = shared
+    waiting = submit(acme, name="acme-waits", resources=H100)
+    ids = [str(acme_job.pk), str(globex_job.pk)]
+    plan = sm.Plan(pending={str(waiting.pk): sm.Reason(
+        sm.ReasonCode.RECLAIMING,
+        f"RECLAIMING: 2 borrowed job(s) of acme, globex on {platform.node.pk} are checkpointing ({', '.join(ids)})",
+        {"victims": ids, "victim_teams": ["acme", "globex"], "node_id": str(platform.node.pk)})})
+    plan_commit(tenant=acme.tenant, plan=plan)
+    reason = acme.client.get(f"/api/v1/jobs/{waiting.pk}/").json()["pending_reason"]
+    assert reason["code"] == "RECLAIMING"
+    assert reason["data"]["victims"] == [str(acme_job.pk)] and reason["data"]["victims_of_other_teams"] == 1
+    assert f"({acme_job.pk}, 1 of another team)" in reason["message"]
+    events = json.dumps(acme.client.get(f"/api/v1/jobs/{waiting.pk}/events/").json())
+    assert f'"{globex_job.pk}"' not in events and f", {globex_job.pk})" not in events
+
+
+def test_a_job_moved_for_another_teams_job_is_not_told_that_jobs_id(acme, globex, shared, tmp_path, settings):
+    from broker.scheduler.services import plan_commit
+    from scheduling import model as sm
+
+    settings.WHALEZEN_CHECKPOINT_ROOTS = [str(tmp_path)]
+    platform, _, _ = shared
+    mover = running(submit(globex, name="g-mover", resources={"gpus": 1, "gpu_models": ["A100-80GB"]},
+                           preemptible=True, checkpoint={"uri": str(tmp_path / "g")}), globex.nodes[0], (0,))
+    waiting = submit(acme, name="acme-big", resources=H100)
+    plan = sm.Plan(migrations=(sm.Migration(job_id=str(mover.pk), from_node_id=str(globex.nodes[0].pk),
+                                            to=sm.PlacementPart(node_id=str(globex.nodes[1].pk), gpu_indices=(0,)),
+                                            reason="defragmentation", for_job_id=str(waiting.pk)),))
+    assert plan_commit(tenant=globex.tenant, plan=plan).moved == [mover.pk]
+    events = globex.client.get(f"/api/v1/jobs/{mover.pk}/events/").json()["results"]
+    moving = [e["message"] for e in events if "Moving to" in e["message"]]
+    assert moving and "another team's job" in moving[0] and f"job {waiting.pk}" not in json.dumps(events)
