@@ -13,7 +13,12 @@ $(VENV)/.installed-dev: requirements.txt requirements-dev.txt
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
-setup: $(VENV)/.installed-dev
+# The Python client and `whalezen` CLI (whalezen/), editable: `.venv/bin/whalezen` runs this checkout's code.
+$(VENV)/.installed-cli: $(VENV)/.installed-dev pyproject.toml
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+setup: $(VENV)/.installed-dev $(VENV)/.installed-cli
 
 migrate: setup
 	$(PY) manage.py migrate --noinput

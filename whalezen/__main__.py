@@ -1,0 +1,4 @@
+"""`python -m whalezen ...` is the `whalezen` command."""
+from whalezen.cli import entry
+
+entry()
