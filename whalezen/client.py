@@ -9,7 +9,8 @@
   401 `AuthError`, 403 `Forbidden`, 404 `NotFound`, 409 `Conflict`, 429 `Throttled`, 5xx `ServerError`,
   no answer `Unreachable`. A route this server does not have raises `NotSupported` (a `NotFound`).
 - Every request has a timeout (`timeout_s`). Reads (GET) are retried a few times, with a short backoff,
-  when the server cannot be reached or answers 502/503/504; a POST is never retried (a submission that
+  when the server cannot be reached (not when it timed out) or answers 502/503/504; a POST or PATCH is
+  never retried (a submission that
   timed out may have been accepted: look at `jobs()` before sending it again).
 """
 from __future__ import annotations
@@ -284,8 +285,8 @@ class Client:
             last = attempt == attempts - 1
             try:
                 return self._once(method, url, path, data, headers)
-            except errors.Unreachable:
-                if last:
+            except errors.Unreachable as exc:
+                if last or exc.timed_out:  # a server that is slow to answer is not asked again at once
                     raise
             except errors.ServerError as exc:
                 if last or exc.status not in RETRY_STATUSES:

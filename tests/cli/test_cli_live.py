@@ -14,8 +14,7 @@ from django.urls import Resolver404, resolve
 from broker.jobs.models import Job
 from broker.jobs.services import GpuRequest, allocation_commit, event_append, job_cancel, job_transition
 from broker.jobs.states import JobState
-from broker.tenancy.models import Role
-from broker.tenancy.services import api_token_create, membership_add
+from broker.tenancy.services import api_token_create
 from tests.broker.test_api_tenancy import submit
 from whalezen import cli
 
