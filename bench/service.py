@@ -29,8 +29,10 @@ Parts (each per database kind of --db unless said otherwise):
   production settings) on PostgreSQL + Redis. One server per database; the levels run one after another,
   so later levels see the earlier levels' jobs pending (the worker schedules them on the 4 demo nodes).
 - reads: 100,000 jobs bulk-inserted for the demo tenant `acme` (bulk_create in the states a real database
-  holds: mostly SUCCEEDED, some FAILED, CANCELLED and PENDING), then GET /api/v1/jobs/ (first page) and
-  GET /api/v1/jobs/?state=FAILED through the web server alone, sequentially: p50/p99.
+  holds: mostly SUCCEEDED, some FAILED, CANCELLED and PENDING; on PostgreSQL then ANALYZE, as autovacuum
+  would within a minute), then GET /api/v1/jobs/ (first page) and
+  GET /api/v1/jobs/?state=FAILED through the web server alone, sequentially: p50/p99; also a page halfway
+  through the list (`?page=1000` of 2,000), what an offset costs.
 - agents (SQLite, the default service): idle agent CPU as bench.agent_cpu measures it (`make run`'s seven
   demo agents, from /proc), and 1,000 simulated nodes registered through the API with a join token, then
   heartbeating every 5 s (bodies built by the agent's own code) from a bounded thread pool: heartbeat
@@ -435,6 +437,11 @@ def bulk_jobs(count: int, tenant_slug: str = "acme") -> None:
             Job.objects.bulk_create(batch)
             batch = []
     Job.objects.bulk_create(batch)
+    from django.db import connection
+
+    if connection.vendor == "postgresql":  # what autovacuum does within a minute of such an insert
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE jobs_job")
 
 
 def _get(base: str, token: str, path: str) -> tuple[int, float]:
@@ -466,7 +473,9 @@ def measure_reads(db: str, args: argparse.Namespace, say: Any) -> list[dict[str,
             server_cm = production_server(Path(var), db_env, worker=False, prepare=prepare)
         with server_cm as server:
             token = server.tokens[0]  # acme's
-            for page, path in (("first", "/api/v1/jobs/"), ("state=FAILED", "/api/v1/jobs/?state=FAILED")):
+            deep = max(1, args.read_jobs // 100)  # halfway through the list at 50 a page
+            for page, path in (("first", "/api/v1/jobs/"), ("state=FAILED", "/api/v1/jobs/?state=FAILED"),
+                               (f"page={deep}", f"/api/v1/jobs/?page={deep}")):
                 _get(server.base, token, path)  # warm
                 answers = [_get(server.base, token, path) for _ in range(args.read_requests)]
                 latencies = [s for _, s in answers]
@@ -538,7 +547,8 @@ def register_nodes(base: str, join_token: str, count: int, threads: int = 8) -> 
 def heartbeat_load(base: str, nodes: list[tuple[str, dict]], *, period_s: float, seconds: float,
                    threads: int) -> dict[str, Any]:
     """Every node heartbeats every `period_s` (phases spread evenly) for `seconds`, from `threads`
-    threads: latency of each heartbeat, and how late the generator sent it."""
+    threads: latency of each heartbeat, how late the generator sent it, and how many of those due in
+    the window it could not send before the window ended (the broker too slow for the rate)."""
     start = time.monotonic() + 1.0
     due = [(start + period_s * i / len(nodes), i) for i in range(len(nodes))]
     heapq.heapify(due)
@@ -551,7 +561,9 @@ def heartbeat_load(base: str, nodes: list[tuple[str, dict]], *, period_s: float,
     def worker() -> None:
         while True:
             with lock:
-                if not due or due[0][0] >= stop_at:
+                # The window is bounded: what falls due after it, or is still unsent at its end because
+                # the broker answers too slowly, is not sent (counted as `not_sent`).
+                if not due or due[0][0] >= stop_at or time.monotonic() >= stop_at:
                     return
                 when, i = heapq.heappop(due)
                 heapq.heappush(due, (when + period_s, i))
@@ -573,11 +585,14 @@ def heartbeat_load(base: str, nodes: list[tuple[str, dict]], *, period_s: float,
         t.start()
     for t in pool:
         t.join()
-    return {"heartbeats": len(latencies), "p50_ms": percentile_ms(latencies, 50),
+    elapsed = max(seconds, time.monotonic() - start)  # the last answers may come after the window
+    wanted = sum(1 + int((stop_at - 1e-9 - (start + period_s * i / len(nodes))) // period_s)
+                 for i in range(len(nodes)) if start + period_s * i / len(nodes) < stop_at)
+    return {"heartbeats": len(latencies), "not_sent": wanted - len(latencies), "p50_ms": percentile_ms(latencies, 50),
             "p99_ms": percentile_ms(latencies, 99), "max_ms": percentile_ms(latencies, 100),
             "send_late_p99_ms": percentile_ms(lateness, 99), "errors": sum(errors.values()),
             "error_kinds": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
-            "rate_per_s": round(len(latencies) / seconds, 1)}
+            "rate_per_s": round(len(latencies) / elapsed, 1), "wanted_per_s": round(wanted / seconds, 1)}
 
 
 def measure_heartbeats(args: argparse.Namespace, say: Any) -> dict[str, Any]:

@@ -132,7 +132,9 @@ class UtcIsoDateTimeFilter(django_filters.IsoDateTimeFilter):
 
 
 class JobFilter(django_filters.FilterSet):
-    state = django_filters.MultipleChoiceFilter(choices=JobState.choices)
+    # No join to deduplicate: without distinct=False the filter adds SELECT DISTINCT over every column
+    # (the spec JSON included) to the page and its count.
+    state = django_filters.MultipleChoiceFilter(choices=JobState.choices, distinct=False)
     name = django_filters.CharFilter(lookup_expr="icontains")
     priority = django_filters.NumberFilter()
     priority_min = django_filters.NumberFilter(field_name="priority", lookup_expr="gte")
@@ -161,8 +163,11 @@ EXAMPLE_SPEC = {
 
 class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                  viewsets.GenericViewSet):
-    queryset = Job.objects.select_related("owner").prefetch_related("allocations__slices__gpu",
-                                                                     "allocations__node")
+    # Newest first by id, which is submission order (created_at is set at insert): SQLite walks the
+    # (tenant) index, which holds rowids in order, instead of sorting every job of the tenant by
+    # created_at for each page (225 ms a page at 100,000 jobs, bench/service.py --parts reads).
+    queryset = (Job.objects.select_related("owner").prefetch_related("allocations__slices__gpu", "allocations__node")
+                .order_by("-id"))
     serializer_class = JobSerializer
     filterset_class = JobFilter
     lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"

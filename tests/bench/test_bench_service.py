@@ -84,6 +84,6 @@ def test_quick_run_prints_issue_12s_json_shape(tmp_path):
         assert set(c["phases"]) == {"snapshot", "solve", "commit", "reasons"}
     # the idle cycle on the full cluster: at most --saturated (10 with --quick) pending, timed 5 times
     assert len(full) == 1 and full[0]["pending"] <= 10 and full[0]["runs"] == 5 and full[0]["idle_median_s"] > 0
-    assert {r["page"] for r in result["reads"]} == {"first", "state=FAILED"}
+    assert {r["page"] for r in result["reads"]} == {"first", "state=FAILED", "page=5"}
     for r in result["reads"]:
         assert r["db"] == "sqlite" and r["jobs"] == 500 and r["errors"] == 0 and r["p99_ms"] > 0

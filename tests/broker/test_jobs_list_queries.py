@@ -9,7 +9,8 @@ from broker.jobs.services import GpuRequest, allocation_commit
 from .test_api_tenancy import submit
 
 # Authentication (the token; its last-use time is written at most once a minute), membership, count,
-# the page with its owners, allocations, their slices, GPUs and nodes: 8, a fixed set, not one per job.
+# the page's ids, its rows with their owners, allocations, their slices, GPUs and nodes: 9, a fixed set,
+# not one per job.
 MAX_QUERIES = 9
 
 
@@ -41,6 +42,14 @@ def test_the_jobs_list_takes_as_many_queries_for_30_jobs_as_for_3(acme, django_a
     assert small == large
     with django_assert_max_num_queries(MAX_QUERIES):
         acme.client.get("/api/v1/jobs/?page_size=30")
+
+
+def test_a_deep_page_is_read_by_its_ids_in_the_lists_order(acme):
+    _jobs(acme, 30)
+    every = [job["id"] for job in acme.client.get("/api/v1/jobs/?page_size=30").json()["results"]]
+    assert every == sorted(every, reverse=True)  # newest first
+    third = acme.client.get("/api/v1/jobs/?page_size=7&page=3").json()
+    assert [job["id"] for job in third["results"]] == every[14:21] and third["count"] == 30
 
 
 def test_a_filtered_page_is_no_dearer(acme):
