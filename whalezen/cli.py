@@ -240,7 +240,7 @@ def make_client(args: argparse.Namespace, url: str, token: str | None) -> Client
 
 def cmd_login(ctx: Context) -> int:
     args, env, out = ctx.args, ctx.env, ctx.out
-    url = args.server or args.url or env.get("WHALEZEN_URL") or config.load(env).get("url")
+    url = args.server or getattr(args, "url", None) or env.get("WHALEZEN_URL") or config.load(env).get("url")
     if not url:
         raise CliError("which server? `whalezen login http://host:8000`", EXIT_USAGE)
     try:
@@ -296,8 +296,18 @@ def _file(path: str) -> str:
     return "on stdin" if path == "-" else path
 
 
+# Top-level keys of the formats users bring from elsewhere: a server that does not take them yet (issue 14)
+# refuses them as unknown fields, and the message says what the file looks like.
+FOREIGN_KEYS = {"Kubernetes manifest": {"apiVersion", "kind", "metadata"},
+                "SkyPilot task file": {"run", "setup", "num_nodes", "workdir", "file_mounts", "envs"}}
+
+
 def _spec_refused(path: str, exc: errors.BadRequest) -> CliError:
-    return CliError(f"bad spec {_file(path)}: {exc.detail}", EXIT_USAGE, fields=exc.fields, status=exc.status)
+    fields = exc.fields
+    unknown = {name for name, reasons in fields.items() if "Unknown field." in reasons}
+    hint = next((f" (this looks like a {kind}, which this server does not accept yet)"
+                 for kind, keys in FOREIGN_KEYS.items() if len(unknown & keys) >= 1 and unknown <= keys | {"spec"}), "")
+    return CliError(f"bad spec {_file(path)}: {exc.detail}{hint}", EXIT_USAGE, fields=fields, status=exc.status)
 
 
 def cmd_submit(ctx: Context) -> int:
@@ -717,17 +727,24 @@ def cmd_logs(ctx: Context) -> int:
 
 # -- the parser ------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="JSON for scripts (the API's objects)")
-    common.add_argument("--url", help="the server (default: WHALEZEN_URL, then the stored login)")
-    common.add_argument("--request-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                        help=f"seconds to wait for each answer (default {DEFAULT_TIMEOUT_S:g})")
+    def options(p: argparse.ArgumentParser) -> None:
+        # Before or after the command (`whalezen --json ls`, `whalezen ls --json`): SUPPRESS keeps the
+        # command's parser from overwriting what was given before it.
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                       help="JSON for scripts (the API's objects)")
+        p.add_argument("--url", default=argparse.SUPPRESS,
+                       help="the server (default: WHALEZEN_URL, then the stored login)")
+        p.add_argument("--request-timeout", type=float, default=argparse.SUPPRESS, metavar="S",
+                       help=f"seconds to wait for each answer (default {DEFAULT_TIMEOUT_S:g})")
 
+    common = argparse.ArgumentParser(add_help=False)
+    options(common)
     parser = argparse.ArgumentParser(
         prog="whalezen", description="WhaleZen from the command line: submit, watch, explain, move and cost "
                                      "GPU jobs.",
         epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"whalezen {__version__}")
+    options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -145,6 +145,7 @@ def test_submit_ls_show_cancel_round_trip(wz, acme, spec_file):
     listed = wz("ls", "--json")
     assert listed.code == 0 and [j["id"] for j in listed.json] == [job_id]
     assert set(listed.json[0]) == JOB_KEYS
+    assert wz("--json", "ls").json == listed.json  # the common options go before or after the command
     table = wz("ls")
     assert table.out.splitlines()[0].split()[:3] == ["ID", "NAME", "STATE"]
     assert table.out.splitlines()[1].split()[:3] == [str(job_id), "cli-train", "PENDING"]
@@ -312,7 +313,7 @@ def _has_route(path: str) -> bool:
     return True
 
 
-def test_costs_and_quote_work_or_say_this_server_has_none(wz, spec_file):
+def test_billing_commands_work_or_say_this_server_has_none(wz, spec_file):
     costs = wz("costs", "--group-by", "gpu_model", "--json")
     quote = wz("quote", spec_file(SPEC_YAML), "--json")
     if _has_route("/api/v1/costs/"):
@@ -326,6 +327,15 @@ def test_costs_and_quote_work_or_say_this_server_has_none(wz, spec_file):
         assert quote.code == 0, quote.err
     else:
         assert quote.code == cli.EXIT_API and "this server has no quotes API" in one_line(quote.err)
+    statements, budget = wz("statements", "--json"), wz("budget", "--json")
+    if _has_route("/api/v1/statements/"):
+        assert statements.code == 0 and isinstance(statements.json, list), statements.err
+    else:
+        assert statements.code == cli.EXIT_API and "this server has no statements API" in statements.err
+    if _has_route("/api/v1/budget/"):
+        assert budget.code == 0 and budget.json["team"] == "acme", budget.err
+    else:
+        assert budget.code == cli.EXIT_API and "this server has no budget API" in budget.err
 
 
 # -- waiting ---------------------------------------------------------------------------------------
@@ -393,3 +403,42 @@ def test_events_follow_json_lines_and_timeout(wz, acme):
     lines = result.out.splitlines()
     assert lines and all(json.loads(line)["id"] for line in lines[:-1])  # JSON Lines, then the error object
     assert json.loads(lines[-1])["error"]["exit_code"] == cli.EXIT_TIMEOUT
+
+
+def test_a_manifest_the_server_does_not_take_says_what_it_looks_like(wz, spec_file):
+    manifest = ("apiVersion: batch/v1\nkind: Job\nmetadata: {name: train}\n"
+                "spec: {template: {spec: {containers: [{name: t, image: x}]}}}\n")
+    result = wz("submit", spec_file(manifest))
+    if result.code == cli.EXIT_OK:  # issue 14 landed: the server takes Kubernetes manifests
+        return
+    assert result.code == cli.EXIT_USAGE
+    assert "apiVersion: Unknown field." in one_line(result.err)
+    assert result.err.rstrip().endswith("(this looks like a Kubernetes manifest, which this server does not "
+                                        "accept yet)")
+
+
+# -- the client from Python ------------------------------------------------------------------------
+def test_the_python_client(live_server, acme, globex, monkeypatch):
+    from whalezen import BadRequest, Client, NotFound
+
+    monkeypatch.setenv("WHALEZEN_URL", live_server.url + "/api/v1/")
+    monkeypatch.setenv("WHALEZEN_TOKEN", acme.token_secret)
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/nonexistent")
+    wz = Client.from_login(timeout_s=10)
+    assert wz.url == live_server.url
+    job = wz.submit({"name": "py", "command": ["true"], "resources": {"gpus": 1}})
+    assert wz.job(job["id"])["state"] == "PENDING"
+    assert wz.explain(job["id"])["code"] == "NOT_YET_SCHEDULED"
+    assert [j["id"] for j in wz.iter_jobs(state=["PENDING"])] == [job["id"]]
+    with pytest.raises(BadRequest) as caught:
+        wz.submit({"name": "py", "resources": {"gpus": 0}, "extra": 1})
+    assert caught.value.status == 400 and set(caught.value.fields) >= {"resources.gpus", "extra"}
+    with pytest.raises(NotFound):
+        wz.job(submit(globex).pk)
+    wz.cancel(job["id"])
+    events = list(wz.iter_events(job["id"]))
+    assert events[-1]["reason_code"] == "USER_CANCELLED"
+    assert list(wz.iter_events(job["id"], skip=len(events))) == []
+    assert [e["id"] for e in wz.iter_events(job["id"], skip=1)] == [e["id"] for e in events[1:]]
+    assert {n["name"] for n in wz.nodes()} == {"acme-a100-0", "acme-a100-1"}
+    assert wz.quota()["tenant"] == "acme"
