@@ -27,6 +27,7 @@ from scheduling.book import Book
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, JobDemand, Migration, PlacementPart, RunningAllocation
 from scheduling.problem import Problem
+from scheduling.quota import quota_governed
 from scheduling.whatif import can_move, fits_on, running_by_node
 
 # Filters that moving a running job does not touch: it already counts against its tenant's
@@ -69,7 +70,7 @@ def plan_consolidation(problem: Problem, book: Book, busy: set[str], budget: int
             destination = book.caps[position]
             destination.take(positions, part)
             book.refresh_node(position)
-            if book.quota is not None and not destination.node.rented:
+            if book.quota is not None and quota_governed(destination.node):
                 model = destination.node.gpus[positions[0]].model if positions else ""
                 book.quota.charge(_as_job(allocation), model, _share(part))
             plan.append(Migration(
@@ -110,7 +111,7 @@ def _land_elsewhere(problem: Problem, book: Book, source: int, allocations: list
         demand = replace(allocations[i].demand, job_id=allocations[i].job_id)  # type: ignore[arg-type]
         for position in order:
             fit = fits_on(problem, demand, trial.get(position, caps[position]), position, plugins)
-            owned_model = "" if caps[position].node.rented or fit is None else fit[0].gpu_model
+            owned_model = "" if not quota_governed(caps[position].node) or fit is None else fit[0].gpu_model
             if fit is not None and ledger is not None and owned_model and not ledger.admits(
                     demand, owned_model, _share(fit[1]), borrowing=problem.ctx.borrowing):
                 fit = None  # it would take its team past its quota of owned GPUs

@@ -35,6 +35,7 @@ from scheduling.model import (
 from scheduling.objective import evaluate
 from scheduling.preemption import plan_preemptions, plan_reclaims, waits_for_borrowed, within_nominal
 from scheduling.problem import Problem, build_problem, workload_classes
+from scheduling.quota import quota_governed
 from scheduling.quota_reasons import annotate_quota_steps
 
 # Share of the cycle's time limit the MILP may use (LP, phase two, full model).
@@ -140,7 +141,7 @@ def _place_in_quota_phases(snapshot: Snapshot, policy: Policy, started: float) -
     reclaims: tuple[Preemption, ...] = ()
     reclaiming: dict[str, Reason] = {}
     if policy.reclaim and rest:
-        models = sorted({g.model for cap in first_book.caps if not cap.node.rented for g in cap.node.gpus
+        models = sorted({g.model for cap in first_book.caps if quota_governed(cap.node) for g in cap.node.gpus
                          if g.healthy})
         waiting = [job for job in rest if waits_for_borrowed(ledger, first.pricing, job, models)]
         if waiting:

@@ -30,6 +30,7 @@ from scheduling.patterns import (
     ItemType, Pattern, enumerate_instance_patterns, enumerate_patterns, node_fragmentation_gpus, part_gpu_milli,
     stranding_coefficients,
 )
+from scheduling.plugins import owned
 from scheduling.problem import Problem
 from scheduling.solver import MIP_GAP_ABS, Costs, SolveResult, solve
 
@@ -474,7 +475,7 @@ def _team_quota_constraints(problem: Problem, prob: pulp.LpProblem, x: dict) -> 
         nodes = max(1, job.nodes)
         for candidate in demand_class.candidates:
             target = problem.targets[candidate.target]
-            if target.kind != "node" or target.node.rented:
+            if not owned(target):
                 continue
             share = pricing.gpu_share(job, target.gpu_model) / nodes
             for flavor, amount in ledger.amounts(target.gpu_model, share):

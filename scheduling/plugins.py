@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 from scheduling.capacity import PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, JobDemand, ReasonCode, TenantBudget
-from scheduling.quota import QuotaLedger
+from scheduling.quota import QuotaLedger, quota_governed
 from scheduling.targets import Pricing, Target
 
 
@@ -143,8 +143,9 @@ def _pool_access(job: JobDemand, part: PartDemand, target: Target, ctx: FilterCo
 
 
 def owned(target: Target) -> bool:
-    """Capacity quotas govern: an existing node the platform owns (not a rented instance, not a launch)."""
-    return target.kind == "node" and not target.node.rented
+    """Capacity quotas govern: an existing shared node the platform owns (not a rented instance, not a
+    launch, not a team's private pool: `quota.quota_governed`)."""
+    return target.kind == "node" and quota_governed(target.node)
 
 
 def _team_quota(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:

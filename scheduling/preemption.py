@@ -22,6 +22,7 @@ from __future__ import annotations
 from scheduling.book import Book
 from scheduling.model import Policy, Preemption, Snapshot
 from scheduling.problem import Problem, build_problem
+from scheduling.quota import quota_governed
 from scheduling.whatif import could_ever_fit, minimal_victims, release, running_by_node
 
 # Pending jobs considered per cycle (highest priority, then oldest): bounds the what-if work.
@@ -82,7 +83,7 @@ def plan_reclaims(problem: Problem, book: Book, pending: list[str],
     taken: set[str] = set(exclude)
     plan: list[Preemption] = []
     owned_models = sorted({g.model for p in by_node for g in book.caps[p].node.gpus
-                           if g.healthy and not book.caps[p].node.rented})
+                           if g.healthy and quota_governed(book.caps[p].node)})
     # Only jobs that fit their team's unused nominal are considered, so a backlog of borrowers' jobs
     # does not fill the window of JOBS_CONSIDERED.
     eligible = [j for j in pending if any(within_nominal(ledger, pricing, problem.jobs_by_id[j], m)
@@ -96,7 +97,7 @@ def plan_reclaims(problem: Problem, book: Book, pending: list[str],
         for position, allocations in sorted(by_node.items()):
             cap = book.caps[position]
             model = next((g.model for g in cap.node.gpus if g.healthy), "")
-            if cap.node.rented or not within_nominal(ledger, pricing, job, model):
+            if not quota_governed(cap.node) or not within_nominal(ledger, pricing, job, model):
                 continue
             victims = [a for a in allocations if a.job_id not in taken and a.preemptible and a.tenant != job.tenant
                        and _borrowing(ledger, a, cap.node)]

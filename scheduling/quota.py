@@ -2,8 +2,9 @@
 
 Every team (tenant) has, per flavor (a GPU model, or `CU_FLAVOR` for compute units over all
 models), a nominal quota, a borrowing limit and a lending limit (`model.QuotaShare`). Quotas count
-owned GPUs only (`NodeState.rented` False): what a team rents is bounded by its budget and the
-cloud pool's instance cap, not by its quota. docs/quotas.md gives the same rules for users.
+shared owned GPUs only (`quota_governed`): what a team rents is bounded by its budget and the
+cloud pool's instance cap, and a team's own private pool is its own, not the cohort's.
+docs/quotas.md gives the same rules for users.
 
 Per flavor r, with u_i the share of r team i's running jobs hold on owned nodes:
 
@@ -54,6 +55,13 @@ class Limits:
 UNQUOTED = Limits(0.0, None, 0.0)  # a team without a row for a managed flavor
 
 
+def quota_governed(node: NodeState) -> bool:
+    """Capacity quotas count: owned (not a rented instance) and open to more than one team (a shared
+    pool; `tenants` empty means every team). A pool only its owner may use is outside the cohort:
+    its GPUs are neither lent nor counted against the owner's quota."""
+    return not node.rented and len(node.tenants) != 1
+
+
 class QuotaLedger:
     """Usage per (team, flavor) and the cohort arithmetic over it. The cycle's `Book` holds a copy
     and charges every placement on owned capacity to it, so every placing path sees the same room."""
@@ -66,14 +74,14 @@ class QuotaLedger:
         self.flavors: tuple[str, ...] = tuple(sorted({q.flavor for q in snapshot.quotas}))
         self.capacity: dict[str, float] = defaultdict(float)
         for node in snapshot.nodes:
-            if node.rented:
+            if not quota_governed(node):
                 continue
             for gpu in node.gpus:
                 if gpu.healthy:
                     for flavor, amount in self.amounts(gpu.model, 1.0):
                         self.capacity[flavor] += amount
         self.usage: dict[tuple[str, str], float] = defaultdict(float)
-        owned = {node.id: node for node in snapshot.nodes if not node.rented}
+        owned = {node.id: node for node in snapshot.nodes if quota_governed(node)}
         for allocation in snapshot.running:
             node = owned.get(allocation.node_id)
             if node is None:
@@ -162,7 +170,7 @@ class QuotaLedger:
 
     def release(self, team: str, node: NodeState, gpu_indices: tuple[int, ...], gpu_milli: int) -> None:
         """A running allocation stops (preemption, reclaim): its team holds that much less."""
-        if node.rented:
+        if not quota_governed(node):
             return
         for index in gpu_indices:
             for flavor, amount in self.amounts(_model_at(node, index), min(gpu_milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI):

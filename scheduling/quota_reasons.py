@@ -13,7 +13,7 @@ from __future__ import annotations
 from scheduling.book import Book
 from scheduling.model import JobDemand, Reason, ReasonCode
 from scheduling.problem import Problem
-from scheduling.quota import QuotaLedger, quota_message
+from scheduling.quota import QuotaLedger, quota_governed, quota_message
 
 STEP_ORDER = {"nominal": 0, "borrowing": 1, "limit": 2, "none": 3}
 # Codes the quota replaces as the headline when it also blocks the job on its best owned model: it
@@ -25,7 +25,7 @@ QUOTA_MAY_EXPLAIN = frozenset({
 
 
 def owned_models(problem: Problem) -> list[str]:
-    models = {gpu.model for node in problem.snapshot.nodes if not node.rented for gpu in node.gpus if gpu.healthy}
+    models = {gpu.model for node in problem.snapshot.nodes if quota_governed(node) for gpu in node.gpus if gpu.healthy}
     return sorted(models)
 
 

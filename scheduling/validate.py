@@ -221,15 +221,18 @@ def _access_and_quota_violations(snapshot: Snapshot, plan: Plan, nodes, offers, 
 
     before: dict[tuple[str, str], float] = defaultdict(float)
     capacity: dict[str, float] = defaultdict(float)
+    def shared(node) -> bool:  # docs/quotas.md: owned, and open to more than one team
+        return not node.rented and len(node.tenants) != 1
+
     for node in snapshot.nodes:
-        if not node.rented:
+        if shared(node):
             for gpu in node.gpus:
                 if gpu.healthy:
                     for flavor, amount in counted(gpu.model, 1.0):
                         capacity[flavor] += amount
     for allocation in snapshot.running:
         node = nodes.get(allocation.node_id)
-        if node is not None and not node.rented:
+        if node is not None and shared(node):
             for index in allocation.gpu_indices:
                 for flavor, amount in counted(model_of(node, index), min(allocation.gpu_milli, 1000) / 1000):
                     before[allocation.tenant, flavor] += amount
@@ -249,7 +252,7 @@ def _access_and_quota_violations(snapshot: Snapshot, plan: Plan, nodes, offers, 
                 allowed, node = (offer.tenants if offer is not None else ()), None
             if allowed and job.tenant not in allowed:
                 problems.append(f"{job.job_id}: team {job.tenant} placed where it has no access")
-            if node is None or node.rented:
+            if node is None or not shared(node):
                 continue
             for index in part.gpu_indices:
                 for flavor, amount in counted(model_of(node, index), min(part.gpu_milli, 1000) / 1000):

@@ -248,3 +248,15 @@ def test_moves_back_from_rented_capacity_respect_strict_quotas():
     onto_owned = [m for m in strict.migrations if m.to.node_id == "n0"]
     assert len(onto_owned) <= 2
     assert plan_violations(snap, strict) == []
+
+
+def test_a_teams_private_pool_is_outside_the_cohorts_quotas():
+    # acme's own node (only acme may use it) is neither counted against acme's quota nor lent.
+    private = gpu_node("acme-own", price=0.0, tenants=("acme",))
+    shared = gpu_node("shared", price=0.0, tenants=("acme", "globex"))
+    snap = snapshot([private, shared], jobs("acme", 16), quotas=quotas(acme=0, globex=8))
+    plan = schedule(snap, replace(POLICY, borrowing=False))
+    # Strict quotas with nominal 0: only the private node's 8 GPUs.
+    assert {p.node_id for p in plan.placements} == {"acme-own"} and len(plan.placements) == 8
+    ledger = QuotaLedger(snap)
+    assert ledger.capacity["A100"] == 8
