@@ -70,6 +70,7 @@ INSTALLED_APPS = [
     "broker.agents",
     "broker.provisioning",
     "broker.ops",
+    "broker.billing",
 ]
 
 MIDDLEWARE = [
@@ -326,6 +327,9 @@ CELERY_BEAT_SCHEDULE = {
                          "schedule": float(os.environ.get("WHALEZEN_LOST_SWEEP_SECONDS", 10))},
     "refresh-offers": {"task": "provisioning.refresh_offers", "schedule": 900.0},
     "checkpoints-sweep": {"task": "checkpoints.sweep", "schedule": 5.0},
+    # Usage records, utilisation samples and budget alerts (broker/billing): the price of an allocation is
+    # fixed by the first run after it starts, so keep this short.
+    "billing-meter": {"task": "billing.meter", "schedule": float(os.environ.get("WHALEZEN_BILLING_METER_SECONDS", 60))},
 }
 # GPU readings of nodes without the WhaleZen agent, from a site's Prometheus scraping dcgm-exporter
 # (broker/agents/prometheus_telemetry.py). Empty: off.

@@ -1,0 +1,298 @@
+"""Billing writes: fix allocation prices, sample utilisation, store final usage lines, close months, raise
+budget alerts, rebuild and check. Each is safe to run twice, or twice at the same time:
+
+- a record's `key` is unique and records are inserted with ignore_conflicts, so a line written by two
+  runs at once exists once;
+- records of one team's month are inserted while holding that month's BillingMonth row lock, and a
+  month close takes the same lock, meters the month to its end, then freezes it: a record can never
+  land in a month after its statement was frozen, and the close never misses a second;
+- an allocation's price is fixed by get-or-create on a one-to-one row: the first writer wins.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta, timezone as dt_timezone
+from decimal import Decimal
+
+from django.db import IntegrityError, transaction
+from django.db.models import F, Prefetch, Q
+from django.utils import timezone
+
+from broker.billing.metering import Line, allocation_lines, current_rate, instance_idle_lines, month_of
+from broker.billing.models import (AllocationMeter, BillingMonth, BudgetAlert, InstanceMeter, UsageRecord)
+from broker.inventory.models import CloudInstance, Gpu
+from broker.jobs.models import Allocation, AllocationSlice
+from broker.tenancy.models import Quota, Tenant
+
+log = logging.getLogger(__name__)
+
+# A metering run samples an allocation's GPU utilisation at most this often (two runs at once: once).
+SAMPLE_MIN_SECONDS = 30
+BUDGET_THRESHOLDS = (80, 100)
+
+
+class BillingError(Exception):
+    def __init__(self, message: str, *, field: str = "month") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class MeterOutcome:
+    rates_fixed: int = 0
+    samples: int = 0
+    written: int = 0
+    skipped_closed: list[str] = field(default_factory=list)
+    alerts: list[str] = field(default_factory=list)
+
+
+def allocations_for_billing():
+    return Allocation.objects.select_related("job__owner", "job__tenant", "node__pool__tenant").prefetch_related(
+        Prefetch("slices", queryset=AllocationSlice.objects.select_related("gpu__model").order_by("id")))
+
+
+def rates_fix(*, now: datetime) -> int:
+    """Give every allocation without a meter its price as it stands now (the first run after its start)."""
+    fixed = 0
+    for alloc in allocations_for_billing().filter(meter__isnull=True):
+        rate, source, spot = current_rate(alloc)
+        try:
+            with transaction.atomic():
+                AllocationMeter.objects.create(allocation=alloc, rate_usd_per_gpu_hour=rate, rate_source=source,
+                                               spot=spot, fixed_at=now)
+            fixed += 1
+        except IntegrityError:
+            pass  # another run fixed it first: its price stands
+    return fixed
+
+
+def utilisation_sample(*, now: datetime) -> int:
+    """Add one utilisation reading (the mean of its GPUs' latest telemetry) to each held allocation."""
+    samples = 0
+    cutoff = now - timedelta(seconds=SAMPLE_MIN_SECONDS)
+    readings: dict[int, list[int]] = defaultdict(list)
+    for alloc_id, pct in (AllocationSlice.objects.filter(active=True, allocation__active=True,
+                                                         gpu__utilization_pct__isnull=False)
+                          .values_list("allocation_id", "gpu__utilization_pct")):
+        readings[alloc_id].append(pct)
+    for alloc_id, values in readings.items():
+        mean = sum(values) / len(values)
+        # Compare-and-set on the sampling time: of two runs at once one adds the sample.
+        samples += AllocationMeter.objects.filter(allocation_id=alloc_id).filter(
+            Q(last_sampled_at__isnull=True) | Q(last_sampled_at__lt=cutoff)).update(
+            util_sum=F("util_sum") + mean, util_samples=F("util_samples") + 1, last_sampled_at=now)
+    return samples
+
+
+def _month_row(tenant_id: int, month: str) -> BillingMonth:
+    """The team-month row, locked (created first if need be)."""
+    try:
+        with transaction.atomic():
+            BillingMonth.objects.get_or_create(tenant_id=tenant_id, month=month)
+    except IntegrityError:
+        pass
+    return BillingMonth.objects.select_for_update().get(tenant_id=tenant_id, month=month)
+
+
+def lines_store(lines: list[Line], outcome: MeterOutcome) -> None:
+    """Insert final lines, one team-month at a time under its lock, in a fixed order (no deadlocks)."""
+    groups: dict[tuple[int, str], list[Line]] = defaultdict(list)
+    for line in lines:
+        if line.final:
+            groups[(line.tenant_id, line.month)].append(line)
+    for (tenant_id, month), group in sorted(groups.items()):
+        with transaction.atomic():
+            row = _month_row(tenant_id, month)
+            if row.closed_at is not None:
+                # Can only be a line nothing metered before the close (which meters its month first):
+                # billing_rebuild --check reports it; a closed statement is never changed.
+                missing = [ln.key for ln in group
+                           if not UsageRecord.objects.filter(key=ln.key).exists()]
+                if missing:
+                    log.warning("billing: %d line(s) of closed month %s (tenant %s) not stored: %s",
+                                len(missing), month, tenant_id, ", ".join(missing[:5]))
+                    outcome.skipped_closed += missing
+                continue
+            before = UsageRecord.objects.filter(tenant_id=tenant_id, month=month).count()
+            UsageRecord.objects.bulk_create([UsageRecord(**ln.record_fields()) for ln in group],
+                                            ignore_conflicts=True, batch_size=1000)
+            outcome.written += UsageRecord.objects.filter(tenant_id=tenant_id, month=month).count() - before
+
+
+def open_allocations(*, tenant_id: int | None = None, until: datetime | None = None):
+    """Allocations whose lines are not all stored yet (no meter, or a meter not complete)."""
+    qs = allocations_for_billing().filter(Q(meter__isnull=True) | Q(meter__complete=False))
+    if tenant_id is not None:
+        qs = qs.filter(job__tenant_id=tenant_id)
+    if until is not None:
+        qs = qs.filter(created_at__lt=until)
+    return qs.select_related("meter")
+
+
+def open_instances(*, until: datetime | None = None):
+    qs = CloudInstance.objects.filter(Q(meter__isnull=True) | Q(meter__complete=False)).exclude(provider_id="")
+    if until is not None:
+        qs = qs.filter(created_at__lt=until)
+    return qs.select_related("pool__tenant", "node")
+
+
+def meter(*, now: datetime | None = None, until: datetime | None = None, tenant_id: int | None = None) -> MeterOutcome:
+    """One metering run: fix prices, sample utilisation, store every line that became final by `until`
+    (default: now), mark what is fully recorded, and raise budget alerts."""
+    now = now or timezone.now()
+    until = min(until or now, now)
+    outcome = MeterOutcome()
+    outcome.rates_fixed = rates_fix(now=now)
+    outcome.samples = utilisation_sample(now=now)
+    complete_allocs: list[int] = []
+    lines: list[Line] = []
+    for alloc in open_allocations(tenant_id=tenant_id, until=until):
+        meter_row = getattr(alloc, "meter", None)
+        alloc_lines = allocation_lines(alloc, meter_row, until=until)
+        lines += alloc_lines
+        if alloc.released_at is not None and alloc.released_at <= until and all(ln.final for ln in alloc_lines):
+            complete_allocs.append(alloc.pk)
+    complete_instances: list[int] = []
+    for instance in open_instances(until=until):
+        inst_lines = instance_idle_lines(instance, until=until)
+        if tenant_id is not None:
+            inst_lines = [ln for ln in inst_lines if ln.tenant_id == tenant_id]
+        lines += inst_lines
+        if instance.terminated_at is not None and instance.terminated_at <= until and tenant_id is None:
+            complete_instances.append(instance.pk)
+    lines_store(lines, outcome)
+    if not outcome.skipped_closed:
+        AllocationMeter.objects.filter(allocation_id__in=complete_allocs).update(complete=True)
+        for instance_id in complete_instances:
+            InstanceMeter.objects.update_or_create(instance_id=instance_id, defaults={"complete": True})
+    outcome.alerts = budget_alerts_raise(now=now)
+    return outcome
+
+
+def month_bounds(month: str) -> tuple[datetime, datetime]:
+    try:
+        year, mon = (int(part) for part in month.split("-"))
+        start = datetime(year, mon, 1, tzinfo=dt_timezone.utc)
+        end = datetime(year + (mon == 12), mon % 12 + 1, 1, tzinfo=dt_timezone.utc)
+    except (ValueError, TypeError, OverflowError):
+        raise BillingError(f"{month[:16]!r} is not a month: use YYYY-MM.") from None
+    return start, end
+
+
+def month_close(*, tenant: Tenant, month: str, now: datetime | None = None) -> BillingMonth:
+    """Freeze `tenant`'s statement of `month` (a month that has ended): meter it to its end under the
+    month's lock, then store the statement. Closing a closed month changes nothing."""
+    from broker.billing.statements import statement_build
+
+    now = now or timezone.now()
+    start, end = month_bounds(month)
+    if end > now:
+        raise BillingError(f"{month} has not ended yet: only past months can be closed.")
+    meter(now=now, until=end, tenant_id=tenant.pk)
+    with transaction.atomic():
+        row = _month_row(tenant.pk, month)
+        if row.closed_at is not None:
+            return row
+        # Meter once more under the lock: a line that became final meanwhile is in before the freeze.
+        lines = [ln for alloc in open_allocations(tenant_id=tenant.pk, until=end)
+                 for ln in allocation_lines(alloc, getattr(alloc, "meter", None), until=end)
+                 if ln.final and ln.month == month]
+        lines += [ln for inst in open_instances(until=end) for ln in instance_idle_lines(inst, until=end)
+                  if ln.final and ln.month == month and ln.tenant_id == tenant.pk]
+        UsageRecord.objects.bulk_create([UsageRecord(**ln.record_fields()) for ln in lines],
+                                        ignore_conflicts=True, batch_size=1000)
+        statement = statement_build(tenant=tenant, month=month, stored_only=True)
+        BillingMonth.objects.filter(pk=row.pk).update(closed_at=now, statement=statement)
+    row.refresh_from_db()
+    return row
+
+
+def budget_set(*, tenant: Tenant, monthly_budget_usd: Decimal | None) -> Quota:
+    quota, _ = Quota.objects.get_or_create(tenant=tenant)
+    Quota.objects.filter(pk=quota.pk).update(monthly_budget_usd=monthly_budget_usd, updated_at=timezone.now())
+    quota.refresh_from_db()
+    return quota
+
+
+def budget_alerts_raise(*, now: datetime) -> list[str]:
+    """An event (BudgetAlert, logged) the first time a team's month-to-date spend reaches 80% and 100%."""
+    from broker.billing.selectors import month_to_date_spend
+
+    raised = []
+    month = month_of(now.date())
+    for quota in Quota.objects.filter(monthly_budget_usd__isnull=False).select_related("tenant"):
+        budget = Decimal(quota.monthly_budget_usd)
+        if budget <= 0:
+            continue
+        spent = month_to_date_spend(tenant=quota.tenant, now=now)
+        for threshold in BUDGET_THRESHOLDS:
+            if spent * 100 >= budget * threshold:
+                _, created = BudgetAlert.objects.get_or_create(
+                    tenant=quota.tenant, month=month, threshold_pct=threshold,
+                    defaults={"spent_usd": spent, "budget_usd": budget})
+                if created:
+                    log.warning("budget: %s has spent $%s of its $%s budget for %s (%d%%)",
+                                quota.tenant.slug, spent, budget, month, threshold)
+                    raised.append(f"{quota.tenant.slug}:{threshold}")
+    return raised
+
+
+@dataclass
+class RebuildReport:
+    checked: int = 0
+    missing: list[str] = field(default_factory=list)
+    differing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    inserted: int = 0
+
+    @property
+    def agrees(self) -> bool:
+        return not (self.missing or self.differing or self.extra)
+
+
+COMPARED = ("tenant_id", "seconds", "gpu_seconds", "rate_usd_per_gpu_hour", "amount_usd", "day", "kind")
+
+
+def rebuild(*, start: date | None = None, end: date | None = None, check_only: bool = True,
+            now: datetime | None = None) -> RebuildReport:
+    """Recompute every final line from allocations and instances (at their fixed prices) and compare
+    with the stored records of days [start, end): missing, differing and extra records. Without
+    check_only, missing records are inserted (stored ones are never changed: append-only)."""
+    now = now or timezone.now()
+    report = RebuildReport()
+    expected: dict[str, Line] = {}
+    for alloc in allocations_for_billing().select_related("meter"):
+        for ln in allocation_lines(alloc, getattr(alloc, "meter", None), until=now):
+            if ln.final:
+                expected[ln.key] = ln
+    for instance in CloudInstance.objects.exclude(provider_id="").select_related("pool__tenant", "node"):
+        for ln in instance_idle_lines(instance, until=now):
+            if ln.final:
+                expected[ln.key] = ln
+    in_range = {k: ln for k, ln in expected.items()
+                if (start is None or ln.day >= start) and (end is None or ln.day < end)}
+    stored = UsageRecord.objects.all()
+    if start is not None:
+        stored = stored.filter(day__gte=start)
+    if end is not None:
+        stored = stored.filter(day__lt=end)
+    seen = set()
+    for record in stored.iterator():
+        seen.add(record.key)
+        report.checked += 1
+        ln = in_range.get(record.key)
+        if ln is None:
+            report.extra.append(record.key)
+            continue
+        diffs = [name for name in COMPARED if getattr(record, name) != getattr(ln, name)]
+        if diffs:
+            report.differing.append(f"{record.key} ({', '.join(diffs)})")
+    missing = [ln for k, ln in sorted(in_range.items()) if k not in seen]
+    report.missing = [ln.key for ln in missing]
+    if not check_only and missing:
+        outcome = MeterOutcome()
+        lines_store(missing, outcome)
+        report.inserted = outcome.written
+    return report

@@ -1,0 +1,14 @@
+"""Celery tasks of billing: thin, safe to run twice at once (unique keys and the month lock decide)."""
+from __future__ import annotations
+
+from celery import shared_task
+
+from broker.billing.services import meter
+from broker.ops.services import periodic_run_record
+
+
+@shared_task(name="billing.meter", ignore_result=True)
+def billing_meter() -> None:
+    """Periodic: fix new allocations' prices, sample utilisation, store final usage lines, budget alerts."""
+    meter()
+    periodic_run_record(name="billing.meter")
