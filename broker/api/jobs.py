@@ -64,14 +64,16 @@ class JobSerializer(serializers.ModelSerializer):
             "expected_duration_hours": job.expected_duration_hours,
         }
 
+    # Both as plain dicts, in the shape of PendingReasonSerializer and AllocationOutSerializer: a nested
+    # serializer built per job of a page was a third of the jobs list's time.
     def get_pending_reason(self, job: Job) -> dict | None:
         if job.state != JobState.PENDING:
             return None
-        return PendingReasonSerializer(job).data
+        return {"code": job.pending_reason_code, "message": job.pending_reason, "data": job.pending_reason_data}
 
     def get_allocations(self, job: Job) -> list[dict]:
-        active = [a for a in job.allocations.all() if a.active]
-        return AllocationOutSerializer(active, many=True).data
+        return [{"id": a.id, "node": a.node.name, "gpus": sorted({s.gpu.index for s in a.slices.all() if s.active}),
+                 "epoch": a.epoch} for a in job.allocations.all() if a.active]
 
 
 class JobEventSerializer(serializers.ModelSerializer):
