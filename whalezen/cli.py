@@ -227,13 +227,17 @@ class Context:
             if not login.token:
                 raise config.NotLoggedIn(f"no token for {login.url}: run `whalezen login {login.url}` "
                                          "or set WHALEZEN_TOKEN")
+            if login.source != "environment" and config.too_open(self.env):
+                self.out.note(f"whalezen: warning: {login.source} is readable by other users: "
+                              f"chmod 600 {login.source} (or log in again)")
             self._client = make_client(self.args, login.url, login.token)
         return self._client
 
 
 def make_client(args: argparse.Namespace, url: str, token: str | None) -> Client:
     try:
-        return Client(url, token, timeout_s=getattr(args, "request_timeout", DEFAULT_TIMEOUT_S))
+        return Client(url, token, timeout_s=getattr(args, "request_timeout", DEFAULT_TIMEOUT_S),
+                      user_agent=f"whalezen-cli/{__version__}")
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
 
@@ -857,6 +861,8 @@ def _translate(exc: errors.WhaleZenError, args: argparse.Namespace, url: str) ->
         said = f": {exc.detail}" if exc.detail != f"HTTP {exc.status}" else ""
         return CliError(f"server error (HTTP {exc.status}{rid}){said}", EXIT_API, status=exc.status)
     if isinstance(exc, errors.ApiError):
+        if 300 <= exc.status < 400:
+            return CliError(exc.message, EXIT_API, status=exc.status)  # a redirect elsewhere, not followed
         return CliError(f"HTTP {exc.status}: {exc.detail}", EXIT_API, status=exc.status)
     return CliError(exc.message, EXIT_API)
 

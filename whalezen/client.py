@@ -36,6 +36,20 @@ RETRY_STATUSES = (502, 503, 504)
 MAX_PAGE_SIZE = 500  # the API's largest page
 
 
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow a redirect only to the same scheme, host and port: urllib would otherwise send the
+    token (`Authorization`) along to wherever a Location header points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
+        if (old.scheme, old.netloc) != (new.scheme, new.netloc):
+            return None  # urllib then raises the 3xx as an HTTPError
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects)
+
+
 def normalise_url(url: str) -> str:
     """`http://host:8000/`, `http://host:8000/api/v1/` -> `http://host:8000` (or raise ValueError)."""
     url = (url or "").strip()
@@ -297,7 +311,7 @@ class Client:
     def _once(self, method: str, url: str, path: str, data: bytes | None, headers: dict[str, str]) -> Any:
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with _OPENER.open(request, timeout=self.timeout_s) as response:
                 raw = response.read()
                 return _decode(raw, response.headers.get("Content-Type", ""))
         except urllib.error.HTTPError as err:
@@ -340,6 +354,10 @@ def _api_error(method: str, path: str, status: int, body: Any, headers: Any) -> 
         return errors.Throttled(detail, retry_after=seconds, **kwargs)
     if status >= 500:
         return errors.ServerError(detail, **kwargs)
+    if 300 <= status < 400:
+        where = headers.get("Location") if headers else None
+        return errors.ApiError(f"HTTP {status}: the server redirects to {where or 'elsewhere'}; not followed "
+                               "(use that server's URL)", **kwargs)
     return errors.ApiError(detail, **kwargs)
 
 

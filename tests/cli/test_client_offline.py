@@ -134,6 +134,29 @@ def test_an_html_error_page_is_not_quoted(fake, home):
     assert result.code == cli.EXIT_API and result.err == "whalezen: server error (HTTP 502)\n"
 
 
+def test_a_redirect_elsewhere_is_not_followed_with_the_token(fake, home):
+    elsewhere = fake(lambda m, p: (200, [], {}))
+    api = fake(lambda m, p: (302, "", {"Location": elsewhere.url + p, "Content-Type": "text/plain"}))
+    result = Wz(home, api.url, "wz_00000000_secret")("ls")
+    assert result.code == cli.EXIT_API
+    assert result.err.startswith(f"whalezen: HTTP 302: the server redirects to {elsewhere.url}/api/v1/jobs/")
+    assert elsewhere.requests == []  # the token never left for another host
+
+
+def test_a_login_file_readable_by_others_is_warned_about(fake, home):
+    import os
+
+    from whalezen import config
+
+    api = fake(lambda m, p: (200, {"count": 0, "next": None, "previous": None, "results": []}, {}))
+    path = config.save(api.url, "wz_00000000_t", home)
+    wz = Wz(home, None, None)
+    assert "warning" not in wz("ls").err
+    os.chmod(path, 0o644)
+    warned = wz("ls")
+    assert warned.code == 0 and f"warning: {path} is readable by other users: chmod 600 {path}" in warned.err
+
+
 def test_throttled_and_conflict_messages(fake, home):
     def answer(method, path):
         if method == "POST":
@@ -157,10 +180,10 @@ def test_a_server_that_does_not_answer_times_out_as_unreachable(home):
     try:
         wz = Wz(home, f"http://127.0.0.1:{listener.getsockname()[1]}", "wz_00000000_t")
         started = time.monotonic()
-        result = wz("show", "1", "--request-timeout", "0.5")
+        result = wz("show", "1", "--request-timeout", "1")
         assert result.code == cli.EXIT_UNREACHABLE
-        assert result.err == "whalezen: http://127.0.0.1:%d did not answer within 0.5 s\n" % listener.getsockname()[1]
-        assert time.monotonic() - started < 1.4  # not asked again: three tries would take 2.4 s
+        assert result.err == "whalezen: http://127.0.0.1:%d did not answer within 1 s\n" % listener.getsockname()[1]
+        assert time.monotonic() - started < 2.5  # not asked again: three tries would take 3.9 s
     finally:
         listener.close()
 
