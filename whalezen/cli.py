@@ -578,6 +578,27 @@ def cmd_costs(ctx: Context) -> int:
     return EXIT_OK
 
 
+def cmd_savings(ctx: Context) -> int:
+    args, out = ctx.args, ctx.out
+    report = ctx.client.savings(from_=args.from_, to=args.to)
+    if out.json_mode:
+        out.json(report)
+        return EXIT_OK
+    jobs = report.get("jobs") or []
+    if report.get("from") or report.get("to"):
+        out.note(f"savings from {report.get('from')} to {report.get('to')} (exclusive), against the cheapest "
+                 "single-cloud on-demand offer of each job's GPU model")
+    if jobs:
+        out.line(_rows_table(jobs, ["job", "job_name", "gpu_hours", "cost_usd", "on_demand_usd", "saved_usd",
+                                    "cheapest_offer"]))
+    else:
+        out.note("no jobs in this period")
+    totals = report.get("totals")
+    if isinstance(totals, dict) and totals:
+        out.line("totals: " + ", ".join(f"{k} {cell(v)}" for k, v in totals.items()))
+    return EXIT_OK
+
+
 def cmd_statements(ctx: Context) -> int:
     args, out = ctx.args, ctx.out
     if args.month:
@@ -806,6 +827,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_", metavar="DATE", help="start (ISO date or time)")
     p.add_argument("--to", metavar="DATE", help="end (ISO date or time)")
     p.add_argument("--csv", action="store_true", help="the server's CSV")
+
+    p = add("savings", cmd_savings, "what the team's jobs cost against the cheapest on-demand cloud offer")
+    p.add_argument("--from", dest="from_", metavar="DATE", help="start (ISO date)")
+    p.add_argument("--to", metavar="DATE", help="end (ISO date, exclusive)")
 
     p = add("statements", cmd_statements, "monthly statements (one month with MONTH)")
     p.add_argument("month", nargs="?", help="YYYY-MM")

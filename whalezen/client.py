@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from whalezen import errors
 from whalezen.types import (Budget, Checkpoint, CostReport, GpuModel, Job, JobEvent, Migration, Node, Page, PendingReason,
-                            Pool, Quota, Quote, Statement, Token, TokenCreated)
+                            Pool, Quota, Quote, Savings, Statement, Token, TokenCreated)
 
 API_PREFIX = "/api/v1"
 DEFAULT_TIMEOUT_S = 30.0
@@ -240,7 +240,12 @@ class Client:
         """One month's statement (`YYYY-MM`), or its CSV text."""
         params = {"format": "csv"} if csv else None
         return self._feature("statements", "GET", f"/statements/{_month(month)}/", params=params,
-                             accept="text/csv" if csv else "application/json")
+                             accept="text/csv" if csv else "application/json", item_of="/statements/")
+
+    def savings(self, *, from_: str | None = None, to: str | None = None) -> Savings:
+        """`GET /api/v1/costs/savings/`: per job, what it cost against the cheapest single-cloud
+        on-demand offer of its GPU model, and the totals."""
+        return cast(Savings, self._feature("savings", "GET", "/costs/savings/", params={"from": from_, "to": to}))
 
     # -- transport ---------------------------------------------------------------------------------
     def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
@@ -262,15 +267,16 @@ class Client:
             page_no += 1
 
     def _feature(self, feature: str, method: str, path: str, *, params: Mapping[str, Any] | None = None,
-                 body: Any = None, accept: str = "application/json") -> Any:
-        """A call to a route a server may not have yet: its 404 becomes NotSupported, unless the server
-        has the route and it is the object asked for that is missing (a month with no statement)."""
+                 body: Any = None, accept: str = "application/json", item_of: str | None = None) -> Any:
+        """A call to a route a server may not have yet: its 404 becomes NotSupported, unless `item_of`
+        (the collection the path is an item of) exists, so that it is the object that is missing (a month
+        with no statement)."""
         try:
             return self._request(method, path, params=params, body=body, accept=accept)
         except errors.NotSupported:
             raise
         except errors.NotFound as exc:
-            if path.count("/") > 2 and self._has_route(f"/{feature}/"):
+            if item_of and self._has_route(item_of):
                 raise
             raise errors.NotSupported(feature, status=exc.status, body=exc.body, request_id=exc.request_id,
                                       method=method, path=path) from None

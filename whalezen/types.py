@@ -270,3 +270,9 @@ class Budget(TypedDict, total=False):
     remaining_usd: str | None
     used_pct: float | None
     alerts: list[dict[str, Any]]
+
+
+class Savings(TypedDict, total=False):
+    currency: str
+    jobs: list[dict[str, Any]]  # job, job_name, gpu_hours, cost_usd, on_demand_usd, saved_usd, cheapest_offer
+    totals: dict[str, str]

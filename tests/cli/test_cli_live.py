@@ -332,6 +332,20 @@ def test_billing_commands_work_or_say_this_server_has_none(wz, spec_file):
         assert statements.code == 0 and isinstance(statements.json, list), statements.err
     else:
         assert statements.code == cli.EXIT_API and "this server has no statements API" in statements.err
+    if _has_route("/api/v1/quotes/") and _has_route("/api/v1/costs/") and _has_route("/api/v1/budget/"):
+        # The tables people read: every billing command answers, nothing left as raw JSON.
+        quoted = wz("quote", spec_file(SPEC_YAML))
+        assert quoted.code == 0 and quoted.out.split()[0] == "WHERE" and "node acme-a100-" in quoted.out, quoted.err
+        for argv in (["costs", "--group-by", "gpu_model,user"], ["statements"], ["budget"], ["savings"]):
+            human = wz(*argv)
+            assert human.code == 0 and not human.out.lstrip().startswith("{"), (argv, human.err)
+        past = wz("statements", "2020-01")
+        assert past.code == cli.EXIT_NOT_FOUND and one_line(past.err) == "whalezen: statement 2020-01 not found"
+    savings = wz("savings", "--json")
+    if _has_route("/api/v1/costs/savings/"):
+        assert savings.code == 0 and isinstance(savings.json["jobs"], list), savings.err
+    else:
+        assert savings.code == cli.EXIT_API and "this server has no savings API" in savings.err
     if _has_route("/api/v1/budget/"):
         assert budget.code == 0 and budget.json["team"] == "acme", budget.err
     else:

@@ -81,7 +81,8 @@ def test_a_server_without_billing_says_so(fake, home, tmp_path):
     for argv, feature in [(["costs", "--group-by", "team,day"], "costs"), (["costs", "--csv"], "costs"),
                           (["quote", str(spec)], "quotes"), (["statements"], "statements"),
                           (["statements", "2026-11"], "statements"), (["budget"], "budget"),
-                          (["budget", "--set", "100"], "budget")]:
+                          (["budget", "--set", "100"], "budget"),
+                          (["savings", "--from", "2026-11-01"], "savings")]:
         result = wz(*argv)
         assert result.code == cli.EXIT_API, argv
         line = result.err.strip()
