@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 from datetime import date, timedelta
 
 from django.http import Http404
@@ -23,7 +24,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from broker.api.schema import FIELD_ERRORS, WhaleZenAutoSchema
+from broker.api.schema import FIELD_ERRORS, THROTTLED, WhaleZenAutoSchema
+from broker.api.throttles import JobSubmitThrottle
 from broker.billing.metering import month_of
 from broker.billing.models import BudgetAlert
 from broker.billing.selectors import GROUP_FIELDS, cost_report, month_to_date_spend
@@ -357,14 +359,25 @@ def _spec_serializer():
     return JobSpecSerializer
 
 
+class QuoteThrottle(JobSubmitThrottle):
+    """A quote runs the engine several times: per token, WHALEZEN_QUOTE_RATE (default 60/min)."""
+
+    scope = "quote"
+    rate = os.environ.get("WHALEZEN_QUOTE_RATE", "60/min")
+
+    def get_rate(self) -> str:
+        return self.rate
+
+
 class QuoteView(BillingView):
     """POST a job spec (as for POST /jobs/): the cheapest places it could run now, nothing is submitted."""
 
     permission_classes = [IsTenantReader]
     renderer_classes = [JSONRenderer]
+    throttle_classes = [QuoteThrottle]
 
     @extend_schema(operation_id="quotes_create", request=_spec_serializer(),
-                   responses={200: QuoteOutSerializer, 400: FIELD_ERRORS})
+                   responses={200: QuoteOutSerializer, 400: FIELD_ERRORS, 429: THROTTLED})
     def post(self, request: Request) -> Response:
         from broker.billing.quotes import quote
         from broker.jobs.selectors import gpu_catalog
