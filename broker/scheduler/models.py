@@ -29,6 +29,8 @@ class CycleRecord(models.Model):
     solve_seconds = models.FloatField(default=0)
     objective = models.FloatField(null=True, blank=True)
     note = models.TextField(blank=True)
+    # Seconds per phase of the whole cycle: snapshot, solve, commit, reasons (scheduling_cycle_run).
+    phases = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["-started_at"]

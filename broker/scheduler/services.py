@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,9 +28,10 @@ from django.utils import timezone
 from broker.inventory.models import Gpu, Node, PoolKind
 from broker.inventory.selectors import pool_team_ids, scheduling_component, scheduling_components
 from broker.jobs.checkpoints import committed_checkpoint
+from broker.jobs.batch import pending_reasons_set, placements_commit
 from broker.jobs.migration import migration_request, open_migration
 from broker.jobs.models import Job, MigrationCause
-from broker.jobs.services import GpuRequest, JobError, allocation_commit, job_set_pending_reason, job_transition
+from broker.jobs.services import GpuRequest, JobError, job_set_pending_reason, job_transition
 from broker.jobs.states import JobState
 from broker.provisioning.offers import OfferRef, cloud_offers, pool_launch_limits
 from broker.provisioning.services import InstanceCapReached, launch_request
@@ -61,8 +63,6 @@ def preemption_grace_seconds() -> float:
     """How long a preempted job with checkpoints has to commit one before it is stopped anyway (like a
     Slurm `--signal` lead time)."""
     return float(getattr(settings, "WHALEZEN_PREEMPTION_GRACE_SECONDS", 120))
-# A chunk of 200 holds the write lock for well under a second even on a loaded machine.
-PENDING_REASONS_PER_TRANSACTION = 200
 
 
 @dataclass
@@ -74,6 +74,9 @@ class CycleOutcome:
     conflicts: list[str] = field(default_factory=list)
     launched: list[int] = field(default_factory=list)
     plan: sm.Plan | None = None
+    # Seconds per phase: snapshot (offers and the database read), solve (the engine), commit (moves,
+    # placements, launches), reasons (pending reasons written).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 _HOST = socket.gethostname()[:24]
@@ -128,11 +131,18 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
         fair_share_usage_update(tenants=component)
         if not _cycle_wanted(tenants=component, policy=policy):
             return CycleOutcome(ran=True)
+        clock = time.perf_counter()
         offers, offer_index = cloud_offers(tenants=component)
         snapshot = component_snapshot(tenants=component, seed=cycle_number, offers=offers,
                                       launch_limits=pool_launch_limits(tenants=component))
+        read = time.perf_counter()
         plan = schedule(snapshot, policy)
+        solved = time.perf_counter()
         outcome = plan_commit(tenant=tenant, plan=plan, offer_index=offer_index, tenants=component)
+        done = time.perf_counter()
+        outcome.phases = {"snapshot": read - clock, "solve": solved - read,
+                          "commit": done - solved - outcome.phases.get("reasons", 0.0),
+                          "reasons": outcome.phases.get("reasons", 0.0)}
         teams = f"teams {', '.join(t.slug for t in component)}; " if len(component) > 1 else ""
         # One record per cycle (not per team): /metrics counts cycles and their solve times from these.
         CycleRecord.objects.create(
@@ -140,6 +150,7 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
             preempted_jobs=len(outcome.preempted), conflicts=len(outcome.conflicts), method=plan.solver.method,
             proven_optimal=plan.solver.proven_optimal, solve_seconds=plan.solver.solve_seconds,
             objective=plan.solver.objective, note=(teams + "; ".join(outcome.conflicts))[:2000],
+            phases={name: round(seconds, 6) for name, seconds in outcome.phases.items()},
         )
         return outcome
     finally:
@@ -234,6 +245,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
     for move in plan.migrations:
         _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome, may_use=may_use, jobs=jobs)
 
+    on_nodes: list[tuple[Job, list[GpuRequest]]] = []
     for placement in plan.placements:
         job = jobs.get(placement.job_id)
         if job is None or any(part.node_id is None for part in placement.parts):
@@ -248,11 +260,12 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
             outcome.conflicts.append(f"job {job.pk}: team {job.tenant.slug} may not use the pool of "
                                      f"{', '.join(refused)}")
             continue
-        try:
-            allocation_commit(job=job, requests=requests)
-            outcome.placed.append(job.pk)
-        except JobError as exc:
-            outcome.conflicts.append(f"job {job.pk}: {exc}")
+        on_nodes.append((job, requests))
+    # Set-based (broker/jobs/batch.py): one transaction per few hundred placements, allocation_commit's
+    # checks for each; one commit per job took 135-230 s for 5,000 placements on PostgreSQL.
+    committed = placements_commit(items=on_nodes)
+    outcome.placed.extend(committed.placed)
+    outcome.conflicts.extend(f"job {job_id}: {why}" for job_id, why in committed.refused.items())
 
     for launch in plan.launches:
         ref = (offer_index or {}).get(launch.offer_id)
@@ -290,11 +303,14 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
               if isinstance(reason.data.get(key), (list, tuple)) for i in reason.data[key]}
     team_of = {str(pk): tenant_id for pk, tenant_id in Job.objects.filter(
         pk__in=[int(i) for i in listed if i.isdigit()]).values_list("pk", "tenant_id")}
-    for start in range(0, len(pending), PENDING_REASONS_PER_TRANSACTION):
-        with transaction.atomic():
-            for job, reason in pending[start:start + PENDING_REASONS_PER_TRANSACTION]:
-                message, data = _reason_for_team(job=job, reason=reason, team_of=team_of)
-                job_set_pending_reason(job=job, code=reason.code.value, message=message, data=_json_safe(data))
+    started = time.perf_counter()
+    written = {}
+    for job, reason in pending:
+        message, data = _reason_for_team(job=job, reason=reason, team_of=team_of)
+        written[job.pk] = (reason.code.value, message, _json_safe(data))
+    # Only reasons that changed are written (a cycle with nothing new writes nothing).
+    pending_reasons_set(reasons=written)
+    outcome.phases["reasons"] = time.perf_counter() - started
     return outcome
 
 

@@ -1,0 +1,96 @@
+"""Set-based commits of a cycle (broker/jobs/batch.py): the checks and guarantees of allocation_commit,
+for many jobs at once, and pending reasons written only when they change."""
+from __future__ import annotations
+
+from broker.jobs.batch import pending_reasons_set, placements_commit
+from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
+from broker.jobs.services import GpuRequest, allocation_commit, job_cancel
+from broker.jobs.states import JobState
+from broker.tenancy.models import Quota
+
+from .test_api_tenancy import submit
+
+
+def test_many_jobs_are_placed_with_their_events_and_node_epochs(acme):
+    node = acme.nodes[0]
+    epoch = node.epoch
+    jobs = [submit(acme, name=f"j{i}") for i in range(4)]
+    result = placements_commit(items=[(job, [GpuRequest(node=node, gpu_indices=(i,))]) for i, job in enumerate(jobs)])
+    assert sorted(result.placed) == sorted(j.pk for j in jobs) and result.refused == {}
+    for job in jobs:
+        job.refresh_from_db()
+        assert job.state == JobState.PLACED and job.pending_reason_code == ""
+        assert JobEvent.objects.filter(job=job, kind="state", reason_code="PLACED").count() == 1
+    node.refresh_from_db()
+    assert node.epoch == epoch + 4
+    assert sorted(Allocation.objects.filter(node=node).values_list("epoch", flat=True)) == [epoch + i for i in range(1, 5)]
+
+
+def test_two_jobs_of_one_batch_never_get_the_same_gpu(acme):
+    node = acme.nodes[0]
+    first, second = submit(acme, name="a"), submit(acme, name="b")
+    result = placements_commit(items=[(first, [GpuRequest(node=node, gpu_indices=(0, 1))]),
+                                      (second, [GpuRequest(node=node, gpu_indices=(1, 2))])])
+    assert result.placed == [first.pk] and "does not have the share requested free" in result.refused[second.pk]
+    second.refresh_from_db()
+    assert second.state == JobState.PENDING
+    assert AllocationSlice.objects.filter(allocation__job=second).count() == 0, "nothing half-written"
+
+
+def test_a_gpu_already_held_and_a_job_cancelled_meanwhile_are_refused_the_rest_placed(acme):
+    node = acme.nodes[0]
+    holder, cancelled, fine = (submit(acme, name=n) for n in ("holder", "cancelled", "fine"))
+    allocation_commit(job=holder, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    job_cancel(job=Job.objects.get(pk=cancelled.pk))
+    late = submit(acme, name="late")
+    result = placements_commit(items=[(late, [GpuRequest(node=node, gpu_indices=(0,))]),
+                                      (cancelled, [GpuRequest(node=node, gpu_indices=(1,))]),
+                                      (fine, [GpuRequest(node=node, gpu_indices=(2,))])])
+    assert result.placed == [fine.pk]
+    assert "CANCELLED" in result.refused[cancelled.pk] and late.pk in result.refused
+
+
+def test_fractions_and_the_teams_gpu_quota_add_up_over_the_batch(acme):
+    node = acme.nodes[0]
+    Quota.objects.update_or_create(tenant=acme.tenant, defaults={"max_gpus": 1})
+    halves = [submit(acme, name=f"h{i}", resources={"gpu_fraction": 0.5}) for i in range(3)]
+    result = placements_commit(items=[(job, [GpuRequest(node=node, gpu_indices=(i,), milli=500)])
+                                      for i, job in enumerate(halves)])
+    assert result.placed == [halves[0].pk, halves[1].pk]
+    assert "GPU quota exceeded" in result.refused[halves[2].pk]
+
+
+def test_the_database_constraint_still_decides_when_the_batch_read_missed_a_holder(acme, monkeypatch):
+    # The batch's read of held slots misses a holder (as a writer outside its locks would make it):
+    # the partial unique constraint refuses the chunk, and its jobs are committed one by one with their
+    # own checks, so the GPU is still booked once.
+    import broker.jobs.batch as batch
+    from collections import defaultdict
+
+    node = acme.nodes[0]
+    holder, job, other = submit(acme, name="holder"), submit(acme, name="job"), submit(acme, name="other")
+    allocation_commit(job=holder, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    monkeypatch.setattr(batch, "_held_slots", lambda node_ids: defaultdict(set))
+    result = placements_commit(items=[(job, [GpuRequest(node=node, gpu_indices=(0,))]),
+                                      (other, [GpuRequest(node=node, gpu_indices=(5,))])])
+    assert result.placed == [other.pk] and job.pk in result.refused
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    assert AllocationSlice.objects.filter(allocation__job=job).count() == 0
+    assert AllocationSlice.objects.filter(gpu__node=node, gpu__index=0, active=True).count() == 10
+
+
+def test_pending_reasons_are_written_only_when_they_change(acme):
+    jobs = [submit(acme, name=f"p{i}") for i in range(3)]
+    first = {job.pk: ("INSUFFICIENT_GPUS", "INSUFFICIENT_GPUS: 0/2 nodes fit", {"nodes": 2}) for job in jobs}
+    assert pending_reasons_set(reasons=first) == 3
+    events = JobEvent.objects.filter(kind="pending_reason").count()
+    assert pending_reasons_set(reasons=first) == 0, "a cycle with nothing new writes nothing"
+    changed = dict(first)
+    changed[jobs[0].pk] = ("INSUFFICIENT_GPUS", "INSUFFICIENT_GPUS: 0/3 nodes fit", {"nodes": 3})
+    changed[jobs[1].pk] = ("QUOTA_EXCEEDED", "QUOTA_EXCEEDED: over", {})
+    assert pending_reasons_set(reasons=changed) == 2
+    # An event only when the code changed.
+    assert JobEvent.objects.filter(kind="pending_reason").count() == events + 1
+    jobs[0].refresh_from_db()
+    assert jobs[0].pending_reason == "INSUFFICIENT_GPUS: 0/3 nodes fit"
