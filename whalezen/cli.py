@@ -66,6 +66,7 @@ class Out:
         self.progress_live = False
 
     def line(self, text: str = "") -> None:
+        self.clear_progress()  # stdout and stderr are often the same terminal
         self.stdout.write(text + "\n")
         self.stdout.flush()
 
@@ -437,7 +438,6 @@ def cmd_events(ctx: Context) -> int:
         else:
             out.note(f"job {args.id} has no events yet")
         return EXIT_OK
-    seen = 0
     started = time.monotonic()
 
     def show(batch: list[JobEvent]) -> None:
@@ -449,7 +449,7 @@ def cmd_events(ctx: Context) -> int:
                 out.line(f"{when}  {kind:<9} {code or '-':<18} {message}".rstrip())
 
     show(events)
-    seen = len(events)
+    seen, polls = len(events), 0
     while True:
         job = client.job(args.id)
         batch = list(client.iter_events(args.id, skip=seen))  # after the state: nothing of the end is missed
@@ -460,8 +460,13 @@ def cmd_events(ctx: Context) -> int:
                 out.note(f"job {args.id} ended: {job['state']}")
             return EXIT_OK
         if args.timeout is not None and time.monotonic() - started >= args.timeout:
+            out.clear_progress()
             raise CliError(f"job {args.id} is still {job['state']}; stopped following after "
                            f"{duration(time.monotonic() - started)}", EXIT_TIMEOUT)
+        if not out.json_mode and _isatty(out.stderr):  # a live status line between events, on a terminal only
+            out.progress(f"{SPINNER[polls % 4]} job {args.id} {job['state']}, following for "
+                         f"{duration(time.monotonic() - started)} (Ctrl-C stops)")
+        polls += 1
         time.sleep(args.interval)
 
 

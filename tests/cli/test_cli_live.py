@@ -456,3 +456,33 @@ def test_the_python_client(live_server, acme, globex, monkeypatch):
     assert [e["id"] for e in wz.iter_events(job["id"], skip=1)] == [e["id"] for e in events[1:]]
     assert {n["name"] for n in wz.nodes()} == {"acme-a100-0", "acme-a100-1"}
     assert wz.quota()["tenant"] == "acme"
+
+
+def test_on_a_terminal_the_wait_is_one_line_redrawn(wz, spec_file):
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([str(WHALEZEN), "submit", spec_file(SPEC_YAML), "--wait", "--timeout", "1",
+                                 "--interval", "0.2"], env=wz.environment(), stdout=subprocess.PIPE, stderr=slave,
+                                stdin=subprocess.DEVNULL, text=True)
+        os.close(slave)
+        out, _ = proc.communicate(timeout=20)
+        screen = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the other side is closed: everything has been read
+                break
+            if not chunk:
+                break
+            screen += chunk
+    finally:
+        os.close(master)
+    assert proc.returncode == cli.EXIT_TIMEOUT
+    text = screen.decode()
+    frames = text.split("\r\x1b[K")
+    assert len(frames) >= 4  # redrawn in place, not a line per poll
+    assert any(f.startswith(("| job", "/ job", "- job", "\\ job")) and "PENDING" in f for f in frames)
+    assert "NOT_YET_SCHEDULED" in text and frames[-1].startswith("whalezen: job ")  # the status line cleared
