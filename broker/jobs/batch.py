@@ -33,6 +33,7 @@ from broker.inventory.selectors import usable_pool_ids
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
 from broker.jobs.selectors import tenant_held_share
 from broker.jobs.services import GpuRequest, JobError, allocation_commit
+from broker.jobs.signals import allocations_committed
 from broker.jobs.states import JobState
 from broker.tenancy.models import Quota, Tenant
 
@@ -125,6 +126,8 @@ def _commit_chunk(chunk: list[tuple[Job, list[GpuRequest]]], result: BatchResult
         raise IntegrityError("placed jobs changed state under their row locks")
     JobEvent.objects.bulk_create(events)
     result.placed.extend(placed)
+    ids = [allocation.pk for allocation in allocations]
+    transaction.on_commit(lambda: allocations_committed.send(sender=Allocation, allocation_ids=ids), robust=True)
 
 
 def _held_slots(node_ids: list[int]) -> dict[int, set[int]]:
