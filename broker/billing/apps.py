@@ -5,3 +5,6 @@ class BillingConfig(AppConfig):
     name = "broker.billing"
     label = "billing"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from broker.billing import signals  # noqa: F401  (fixes an allocation's price at commit)

@@ -5,8 +5,8 @@ Rules (also in README.md, "Billing and cost reports"):
    (`released_at`), by the second: both instants are truncated to the whole second, so it pays
    floor(release) - floor(hold) seconds, split at UTC midnight into one line per day (a line never
    crosses a day, hence never a month: every statement and every `group_by=day` row is exact).
-2. Its rate is fixed the first time metering sees it (AllocationMeter, within one metering period of
-   its start) and never changes: a node of a rented instance pays the instance's hourly price as
+2. Its rate is fixed when its commit completes (AllocationMeter, broker.billing.signals; else by the
+   next metering run) and never changes: a node of a rented instance pays the instance's hourly price as
    launched (on-demand or spot, `CloudInstance.hourly_price_usd`) divided by the instance's GPU count,
    so jobs sharing an instance split it by GPU share; an owned node pays the pool's chargeback rate
    for that GPU model (ChargebackRate, else `Pool.gpu_hour_rate_usd`), never the scheduler's marginal

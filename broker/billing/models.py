@@ -3,7 +3,7 @@ allocation started, per-model chargeback rates, frozen monthly statements and bu
 
 The rules (docs in README.md, "Billing and cost reports"; arithmetic in broker/billing/metering.py):
 - A record is one allocation's GPUs held during one UTC day (or an instance's idle capacity that day),
-  whole seconds from hold to release, at the rate fixed when the allocation was first metered.
+  whole seconds from hold to release, at the rate fixed when the allocation was committed.
 - amount = gpus x seconds / 3600 x rate, rounded ONCE to the cent with ROUND_HALF_EVEN. Every total
   (a statement, a cost report row, a budget's spend) is the sum of such amounts, so totals add up to
   the cent whatever the grouping.
@@ -32,8 +32,8 @@ class UsageKind(models.TextChoices):
 
 
 class AllocationMeter(models.Model):
-    """The price an allocation pays, fixed the first time metering saw it (within one metering period of
-    its start), and its GPU utilisation sampled by each metering run while it was held."""
+    """The price an allocation pays, fixed as its commit completed (or by the next metering run), and its
+    GPU utilisation sampled by each metering run while it was held."""
 
     allocation = models.OneToOneField(Allocation, on_delete=models.CASCADE, related_name="meter")
     rate_usd_per_gpu_hour = models.DecimalField(max_digits=14, decimal_places=6)

@@ -53,10 +53,14 @@ def allocations_for_billing():
         Prefetch("slices", queryset=AllocationSlice.objects.select_related("gpu__model").order_by("id")))
 
 
-def rates_fix(*, now: datetime) -> int:
-    """Give every allocation without a meter its price as it stands now (the first run after its start)."""
+def rates_fix(*, now: datetime, allocation_ids: list[int] | None = None) -> int:
+    """Give every allocation without a meter its price as it stands now: right after its commit
+    (broker.billing.signals), else at the first metering run after its start."""
     fixed = 0
-    for alloc in allocations_for_billing().filter(meter__isnull=True):
+    pending = allocations_for_billing().filter(meter__isnull=True)
+    if allocation_ids is not None:
+        pending = pending.filter(pk__in=allocation_ids)
+    for alloc in pending:
         rate, source, spot = current_rate(alloc)
         try:
             with transaction.atomic():

@@ -110,3 +110,16 @@ def test_metering_beside_a_month_close_loses_and_doubles_nothing(acme):
     meter(now=now)
     assert UsageRecord.objects.filter(month="2026-10").count() == october.count()
     _expected_total(now)
+
+
+def test_the_price_is_fixed_when_the_allocation_commits(acme):
+    """Outside a test transaction, on_commit runs: the price is the pool's at commit, whatever comes later."""
+    pool = acme.pool
+    pool.gpu_hour_rate_usd = Decimal("3.10")
+    pool.save()
+    job = submit(acme, resources={"gpus": 1})
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
+    pool.gpu_hour_rate_usd = Decimal("8.00")
+    pool.save()
+    alloc = Allocation.objects.get(job=job)
+    assert AllocationMeter.objects.get(allocation=alloc).rate_usd_per_gpu_hour == Decimal("3.100000")
