@@ -480,7 +480,8 @@ def measure_reads(db: str, args: argparse.Namespace, say: Any) -> list[dict[str,
                 answers = [_get(server.base, token, path) for _ in range(args.read_requests)]
                 latencies = [s for _, s in answers]
                 entry = {"db": db, "jobs": args.read_jobs, "page": page, "requests": len(answers),
-                         "p50_ms": percentile_ms(latencies, 50), "p99_ms": percentile_ms(latencies, 99),
+                         "p50_ms": percentile_ms(latencies, 50), "p95_ms": percentile_ms(latencies, 95),
+                         "p99_ms": percentile_ms(latencies, 99),
                          "errors": sum(1 for status, _ in answers if status != 200)}
                 say(f"[reads {db}] {json.dumps(entry)}")
                 out.append(entry)
