@@ -15,7 +15,8 @@ Parts (each per database kind of --db unless said otherwise):
   SQLite in a temporary var dir), then once more with nothing new (the idle cycle: the same jobs still
   pending for the same reasons; after a fresh start that is whatever the first cycle could not place).
   After the largest size, `--saturated` (5,000) measures the idle cycle on the full cluster: what fits
-  placed, 5,000 jobs left pending (the newest beyond them cancelled), nothing new. Before each repetition the state is reset to what the seeding left: every
+  placed (more jobs submitted while fewer than 5,000 are left pending), 5,000 jobs left pending (the newest
+  beyond them cancelled), nothing new. Before each repetition the state is reset to what the seeding left: every
   row a cycle added (allocations, slices, events, cloud instances, moves, fair-share usage, ...) deleted,
   every job PENDING again with its submission reason; node epochs are left as they are.
   Phases come from `CycleOutcome.phases` when the broker gives them, else from timing the cycle's own
@@ -108,8 +109,8 @@ def pod_spec(index: int, task: Any, duration: float) -> dict[str, Any]:
 
 
 def sample_pods(count: int, seed: int = 0, path: Path = PODS_CSV) -> list[tuple[Any, float]]:
-    """`count` (pod, expected hours) drawn with replacement from the GPU pods; a prefix of a longer draw
-    is the shorter draw, so sizes can be added to one database."""
+    """`count` (pod, expected hours) drawn with replacement from the GPU pods (seeded: the cycle's sizes are
+    prefixes of one draw, so each size adds jobs to the same database)."""
     import numpy as np
 
     from bench.loaders import read_tasks
@@ -325,20 +326,32 @@ def cycle_worker(opts: dict[str, Any]) -> list[dict[str, Any]]:
                 break
         entries.append(cycle_entry(opts["db"], size, seeded["nodes"], runs))
         if size == sizes[-1] and opts.get("saturated"):
-            entries.append(saturated_idle(opts, seeded["nodes"], seeded["teams"][0], say))
+            entries.append(saturated_idle(opts, seeded, say))
         baseline.reset()
     return entries
 
 
-def saturated_idle(opts: dict[str, Any], nodes: int, tenant: Any, say: Any) -> dict[str, Any]:
-    """The idle cycle on a full cluster: after the largest size's last cycle has placed what fits, the
-    newest pending jobs beyond `saturated` are cancelled, one cycle runs (the remaining jobs' reasons
-    settle), then the cycle is timed at least 5 times with nothing new: `saturated` jobs pending for the
-    same reasons as last cycle (issue 12: under 200 ms at 5,000)."""
+def saturated_idle(opts: dict[str, Any], seeded: dict[str, Any], say: Any) -> dict[str, Any]:
+    """The idle cycle on a full cluster: after the largest size's last cycle has placed what fits (more jobs
+    are submitted and a cycle run again while fewer than `saturated` are left pending, so the cluster is
+    full whatever the largest size), the newest pending jobs beyond `saturated` are cancelled, one cycle
+    runs (the remaining jobs' reasons settle), then the cycle is timed at least 5 times with nothing new:
+    `saturated` jobs pending for the same reasons as last cycle (issue 12: under 200 ms at 5,000)."""
     from broker.jobs.models import Job
     from broker.jobs.states import JobState
 
+    tenant = seeded["teams"][0]
     pending = Job.objects.filter(state=JobState.PENDING)
+    submitted = Job.objects.count()
+    for _ in range(6):
+        short = opts["saturated"] - pending.count()
+        if short <= 0:
+            break
+        extra = short + max(100, short // 10)
+        submit_jobs(seeded, sample_pods(submitted + extra, opts["seed"], Path(opts["pods_csv"])), submitted)
+        submitted += extra
+        _timed_cycle(tenant)  # places what still fits
+        say(f"[cycle {opts['db']}] full cluster: {extra} more jobs submitted, {pending.count()} pending")
     excess = pending.count() - opts["saturated"]
     if excess > 0:
         ids = list(pending.order_by("-id").values_list("id", flat=True)[:excess])
@@ -351,7 +364,7 @@ def saturated_idle(opts: dict[str, Any], nodes: int, tenant: Any, say: Any) -> d
                      "idle_phases": phases, "placed": len(outcome.placed), "launched": len(outcome.launched),
                      "conflicts": len(outcome.conflicts), "idle_pending": pending.count()})
         say(f"[cycle {opts['db']}] full cluster, idle run {rep + 1}: {json.dumps(runs[-1])}")
-    entry = cycle_entry(opts["db"], runs[0]["idle_pending"] if runs else 0, nodes, runs)
+    entry = cycle_entry(opts["db"], runs[0]["idle_pending"] if runs else 0, seeded["nodes"], runs)
     entry.update(scenario="full cluster, nothing new", settle_s=round(settle_s, 4), median_s=None, max_s=None,
                  phases=entry["idle_phases"])
     return entry
