@@ -3,7 +3,8 @@
 allocation_commit (broker.jobs.services, not billing's) creates the Allocation and then its slices in one
 transaction; once that transaction commits, the price is fixed from the slices' GPU model (on_commit, so a
 rolled-back commit fixes nothing). The metering run still fixes any allocation this missed (a crash
-between commit and callback, rows written by other paths): `rates_fix` is idempotent."""
+between commit and callback, rows written by other paths): `rates_fix` is idempotent. Bulk placements
+(broker.jobs.batch) send no post_save; they send broker.jobs.signals.allocations_committed after commit."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from django.dispatch import receiver
 from django.utils import timezone
 
 from broker.jobs.models import Allocation
+from broker.jobs.signals import allocations_committed
 
 log = logging.getLogger(__name__)
 
@@ -33,3 +35,15 @@ def allocation_price_fix(sender, instance: Allocation, created: bool, raw: bool 
             log.exception("billing: could not fix the price of allocation %s now", allocation_id)
 
     transaction.on_commit(fix, robust=True)
+
+
+@receiver(allocations_committed, dispatch_uid="billing-fix-prices-bulk")
+def allocations_prices_fix(sender, allocation_ids: list[int], **kwargs) -> None:
+    """Bulk placements (broker.jobs.batch) insert allocations without post_save: the jobs app sends this
+    once their transaction has committed."""
+    from broker.billing.services import rates_fix
+
+    try:
+        rates_fix(now=timezone.now(), allocation_ids=list(allocation_ids))
+    except Exception:  # noqa: BLE001 - billing must never break a placement; the metering run retries
+        log.exception("billing: could not fix the prices of %d allocation(s) now", len(allocation_ids))

@@ -123,3 +123,17 @@ def test_the_price_is_fixed_when_the_allocation_commits(acme):
     pool.save()
     alloc = Allocation.objects.get(job=job)
     assert AllocationMeter.objects.get(allocation=alloc).rate_usd_per_gpu_hour == Decimal("3.100000")
+
+
+def test_a_bulk_placement_signal_fixes_the_prices(acme):
+    from broker.jobs.signals import allocations_committed
+
+    pool = acme.pool
+    pool.gpu_hour_rate_usd = Decimal("1.75")
+    pool.save()
+    job = submit(acme, resources={"gpus": 1})
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(1,))])
+    alloc = Allocation.objects.get(job=job)
+    AllocationMeter.objects.filter(allocation=alloc).delete()  # as if inserted in bulk, without post_save
+    allocations_committed.send(sender=Allocation, allocation_ids=[alloc.pk])
+    assert AllocationMeter.objects.get(allocation=alloc).rate_usd_per_gpu_hour == Decimal("1.750000")
