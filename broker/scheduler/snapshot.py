@@ -93,16 +93,19 @@ def component_snapshot(*, tenants: list[Tenant], seed: int = 0, now: datetime | 
     now = now or timezone.now()
     tenant_ids = [t.pk for t in tenants]
     slots_by_gpu: dict[int, int] = defaultdict(int)
+    # GPU indices and slot counts of every active allocation, as plain tuples in one query: model
+    # instances of ~50,000 slice rows took seconds on a full 1,213-node cluster (bench.service).
+    slices_of: dict[int, list[int]] = defaultdict(list)
     # Every pool a team of the component may use is owned by a team of the component (the owner is
     # joined to its grantees), so "nodes of the component's tenants" is all the capacity it reaches.
-    for gpu_id in AllocationSlice.objects.filter(active=True, gpu__node__tenant_id__in=tenant_ids).values_list(
-            "gpu_id", flat=True):
+    for allocation_id, gpu_id, index in AllocationSlice.objects.filter(
+            active=True, gpu__node__tenant_id__in=tenant_ids).values_list("allocation_id", "gpu_id", "gpu__index"):
         slots_by_gpu[gpu_id] += 1
+        slices_of[allocation_id].append(index)
 
     allocations = list(
         Allocation.objects.filter(active=True, node__tenant_id__in=tenant_ids, job__state__in=ACTIVE_STATES)
         .select_related("job", "job__tenant")
-        .prefetch_related(Prefetch("slices", queryset=AllocationSlice.objects.filter(active=True).select_related("gpu")))
     )
     used_cpu: dict[int, int] = defaultdict(int)
     used_mem: dict[int, int] = defaultdict(int)
@@ -139,8 +142,8 @@ def component_snapshot(*, tenants: list[Tenant], seed: int = 0, now: datetime | 
     running = []
     for alloc in allocations:
         job = alloc.job
-        slices = list(alloc.slices.all())
-        indices = tuple(sorted({s.gpu.index for s in slices}))
+        slices = slices_of.get(alloc.pk, [])
+        indices = tuple(sorted(set(slices)))
         slots_per_gpu = len(slices) // max(1, len(indices))
         started = job.started_at or alloc.created_at
         ckpt = latest_checkpoint.get(job.pk)
