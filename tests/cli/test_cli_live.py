@@ -124,15 +124,6 @@ def test_unreachable_server_is_exit_4_quickly(home):
     assert wz("ls", "--json").json["error"]["exit_code"] == cli.EXIT_UNREACHABLE
 
 
-def test_usage_errors_are_exit_2(wz):
-    assert wz("show", "abc").code == cli.EXIT_USAGE
-    assert wz("show", "٣").code == cli.EXIT_USAGE  # ids are ASCII digits
-    assert wz("frobnicate").code == cli.EXIT_USAGE
-    assert wz().code == cli.EXIT_USAGE
-    help_ = wz("--help")
-    assert help_.code == 0 and "exit codes:" in help_.out and "WHALEZEN_TOKEN" in help_.out
-
-
 # -- submit, ls, show, cancel ----------------------------------------------------------------------
 def test_submit_ls_show_cancel_round_trip(wz, acme, spec_file):
     path = spec_file(SPEC_YAML)
@@ -201,27 +192,6 @@ def test_bad_spec_is_exit_2_naming_the_fields(wz, spec_file):
     assert error["status"] == 400 and error["exit_code"] == 2
     assert set(error["fields"]) == {"resources.gpus", "bogus"} and error["fields"]["bogus"] == ["Unknown field."]
     assert not Job.objects.exists()
-
-
-@pytest.mark.parametrize("text, reason", [
-    ("name: a\nresources: &r {gpus: 1}\ncopy: *r\n", "line 2, column 12: YAML anchors and aliases are not accepted"),
-    ("a:\n" + "".join("  " * i + " b:\n" for i in range(1, 40)), "nested deeper than 32 levels"),
-    ("name: a\ncommand: [x\n", "not valid YAML: line 3"),
-    ("- name: a\n", "a spec is a mapping of fields"),
-    ("name: a\n---\nname: b\n", "more than one YAML document"),
-    ("a: !!python/object/apply:os.system [true]\n", "not valid YAML"),
-])
-def test_specs_the_cli_refuses_before_sending(wz, spec_file, text, reason):
-    path = spec_file(text)
-    result = wz("submit", path)
-    assert result.code == cli.EXIT_USAGE
-    assert one_line(result.err).startswith(f"whalezen: bad spec {path}: ") and reason in result.err
-    assert not Job.objects.exists()
-
-
-def test_a_missing_spec_file_is_exit_2(wz, tmp_path):
-    result = wz("submit", str(tmp_path / "nope.yaml"))
-    assert result.code == cli.EXIT_USAGE and "cannot read it" in one_line(result.err)
 
 
 # -- tenancy and roles -----------------------------------------------------------------------------

@@ -69,6 +69,12 @@ def fake():
         server.close()
 
 
+def one_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
 def not_found(method, path):
     return 404, {"detail": "Not found."}, {}
 
@@ -156,6 +162,44 @@ def test_a_login_file_readable_by_others_is_warned_about(fake, home):
     os.chmod(path, 0o644)
     warned = wz("ls")
     assert warned.code == 0 and f"warning: {path} is readable by other users: chmod 600 {path}" in warned.err
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("name: a\nresources: &r {gpus: 1}\ncopy: *r\n", "line 2, column 12: YAML anchors and aliases are not accepted"),
+    ("a:\n" + "".join("  " * i + " b:\n" for i in range(1, 40)), "nested deeper than 32 levels"),
+    ("name: a\ncommand: [x\n", "not valid YAML: line 3"),
+    ("- name: a\n", "a spec is a mapping of fields"),
+    ("name: a\n---\nname: b\n", "more than one YAML document"),
+    ("a: !!python/object/apply:os.system [true]\n", "not valid YAML"),
+    ('{"a":' * 40 + "1" + "}" * 40, "nested deeper than 32 levels"),
+    ('{"name": "a", "priority": NaN}', "numbers must be finite"),
+    ("", "it is empty"),
+])
+def test_specs_the_cli_refuses_before_sending(fake, home, spec_file, text, reason):
+    api = fake(not_found)
+    wz = Wz(home, api.url, "wz_00000000_t")
+    path = spec_file(text)
+    for command in ("submit", "quote"):
+        result = wz(command, path)
+        assert result.code == cli.EXIT_USAGE
+        assert one_line(result.err).startswith(f"whalezen: bad spec {path}: ") and reason in result.err
+    assert api.requests == []  # refused here, before anything was sent
+
+
+def test_a_missing_spec_file_is_exit_2(home, tmp_path):
+    wz = Wz(home, "http://127.0.0.1:9", "wz_00000000_t")
+    result = wz("submit", str(tmp_path / "nope.yaml"))
+    assert result.code == cli.EXIT_USAGE and "cannot read it" in one_line(result.err)
+
+
+def test_usage_errors_are_exit_2(home):
+    wz = Wz(home, "http://127.0.0.1:9", "wz_00000000_t")
+    assert wz("show", "abc").code == cli.EXIT_USAGE
+    assert wz("show", "٣").code == cli.EXIT_USAGE  # ids are ASCII digits
+    assert wz("frobnicate").code == cli.EXIT_USAGE
+    assert wz().code == cli.EXIT_USAGE
+    help_ = wz("--help")
+    assert help_.code == 0 and "exit codes:" in help_.out and "WHALEZEN_TOKEN" in help_.out
 
 
 def test_throttled_and_conflict_messages(fake, home):
