@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -312,6 +312,23 @@ def node_confirm_powered_off(*, node: Node, by: AbstractBaseUser) -> list[int]:
 
 
 # -- heartbeats ----------------------------------------------------------------------------------
+TELEMETRY_COLUMNS = ("utilization_pct", "memory_used_mb", "temperature_c", "power_w", "ecc_errors", "health",
+                     "mig_mode", "last_seen_at")
+
+
+def _telemetry_write(gpus: list[Gpu]) -> None:
+    """One parameterised UPDATE per GPU, sent as one executemany: Django's bulk_update built a CASE WHEN
+    per column and GPU, 45% of a heartbeat's CPU (bench.service: 1,000 nodes every 5 s took 84% of a core)."""
+    if not gpus:
+        return
+    table = connection.ops.quote_name(Gpu._meta.db_table)
+    columns = ", ".join(f"{connection.ops.quote_name(Gpu._meta.get_field(c).column)} = %s" for c in TELEMETRY_COLUMNS)
+    rows = [[Gpu._meta.get_field(c).get_db_prep_save(getattr(gpu, c), connection) for c in TELEMETRY_COLUMNS]
+            + [gpu.pk] for gpu in gpus]
+    with connection.cursor() as cursor:
+        cursor.executemany(f"UPDATE {table} SET {columns} WHERE id = %s", rows)
+
+
 def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
     """Store the node's telemetry per GPU; bring a LOST on-prem node back ONLINE. Returns the answer body."""
     now = timezone.now()
@@ -339,8 +356,7 @@ def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
                 gpu.mig_mode = reading["mig_mode"] == "enabled"
             gpu.last_seen_at = now
             changed.append(gpu)
-        Gpu.objects.bulk_update(changed, ["utilization_pct", "memory_used_mb", "temperature_c", "power_w",
-                                          "ecc_errors", "health", "mig_mode", "last_seen_at"])
+        _telemetry_write(changed)
         metrics = {"metrics_url": data["metrics_url"]} if "metrics_url" in data else {}
         NodeAgent.objects.filter(node=node).update(
             last_telemetry=data.get("telemetry", []), processes=data.get("processes", []),
