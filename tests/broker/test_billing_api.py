@@ -177,3 +177,17 @@ def test_a_quote_from_the_engine(acme):
     spec["resources"] = {"gpus": 64}
     body = acme.client.post("/api/v1/quotes/", spec, format="json").json()
     assert body["options"] == [] and body["unplaceable"] and body["unplaceable"][0]["code"]
+
+
+def test_the_beat_task_meters_and_is_recorded(acme, settings):
+    from broker.billing.tasks import billing_meter
+    from broker.ops.models import PeriodicRun
+
+    assert settings.CELERY_BEAT_SCHEDULE["billing-meter"]["task"] == "billing.meter"
+    job = submit(acme, resources={"gpus": 1})
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(2,))])
+    billing_meter()
+    assert PeriodicRun.objects.filter(name="billing.meter").exists()
+    from broker.billing.models import AllocationMeter
+
+    assert AllocationMeter.objects.filter(allocation__job=job).count() == 1
