@@ -137,6 +137,23 @@ def current_rate(alloc: Allocation) -> tuple[Decimal, str, bool]:
     return Decimal(pool.gpu_hour_rate_usd), "pool", False
 
 
+def current_rates(allocs: list[Allocation]) -> dict[int, tuple[Decimal, str, bool]]:
+    """`current_rate` of many allocations (slices__gpu__model and node__pool loaded) in two queries."""
+    instances = {i.node_id: i for i in CloudInstance.objects.filter(node_id__in={a.node_id for a in allocs})}
+    overrides = {(o.pool_id, o.gpu_model): Decimal(o.rate_usd_per_gpu_hour) for o in ChargebackRate.objects.filter(
+        pool_id__in={a.node.pool_id for a in allocs})}
+    rates = {}
+    for alloc in allocs:
+        instance = instances.get(alloc.node_id)
+        if instance is not None:
+            rates[alloc.pk] = (instance_rate(instance), "instance", instance.spot)
+            continue
+        override = overrides.get((alloc.node.pool_id, _gpu_model(alloc)))
+        rates[alloc.pk] = ((override, "pool_model", False) if override is not None
+                           else (Decimal(alloc.node.pool.gpu_hour_rate_usd), "pool", False))
+    return rates
+
+
 def _gpu_model(alloc: Allocation) -> str:
     for piece in alloc.slices.all():
         gpu = piece.gpu

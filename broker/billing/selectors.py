@@ -16,7 +16,7 @@ from decimal import Decimal
 from typing import Iterator
 
 from django.db import connection, transaction
-from django.db.models import Case, DecimalField, F, FloatField, Q, Sum, Value, When
+from django.db.models import DecimalField, F, FloatField, Q, Sum
 from django.utils import timezone
 
 from broker.billing.metering import CENT, Line, allocation_lines, instance_idle_lines, month_of

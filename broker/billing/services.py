@@ -20,9 +20,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Prefetch, Q
 from django.utils import timezone
 
-from broker.billing.metering import Line, allocation_lines, current_rate, instance_idle_lines, month_of
+from broker.billing.metering import Line, allocation_lines, current_rates, instance_idle_lines, month_of
 from broker.billing.models import (AllocationMeter, BillingMonth, BudgetAlert, InstanceMeter, UsageRecord)
-from broker.inventory.models import CloudInstance, Gpu
+from broker.inventory.models import CloudInstance
 from broker.jobs.models import Allocation, AllocationSlice
 from broker.tenancy.models import Quota, Tenant
 
@@ -56,20 +56,22 @@ def allocations_for_billing():
 def rates_fix(*, now: datetime, allocation_ids: list[int] | None = None) -> int:
     """Give every allocation without a meter its price as it stands now: right after its commit
     (broker.billing.signals), else at the first metering run after its start."""
-    fixed = 0
     pending = allocations_for_billing().filter(meter__isnull=True)
     if allocation_ids is not None:
         pending = pending.filter(pk__in=allocation_ids)
-    for alloc in pending:
-        rate, source, spot = current_rate(alloc)
-        try:
-            with transaction.atomic():
-                AllocationMeter.objects.create(allocation=alloc, rate_usd_per_gpu_hour=rate, rate_source=source,
-                                               spot=spot, fixed_at=now)
-            fixed += 1
-        except IntegrityError:
-            pass  # another run fixed it first: its price stands
-    return fixed
+    allocs = list(pending)
+    if not allocs:
+        return 0
+    # One query for the instances and one for the overrides of all of them (per allocation this took
+    # 6 ms: 5,000 placements of one cycle paid 30 s for their prices), one insert for the meters.
+    rates = current_rates(allocs)
+    meters = [AllocationMeter(allocation=alloc, rate_usd_per_gpu_hour=rates[alloc.pk][0],
+                              rate_source=rates[alloc.pk][1], spot=rates[alloc.pk][2], fixed_at=now)
+              for alloc in allocs]
+    before = AllocationMeter.objects.filter(allocation_id__in=[a.pk for a in allocs]).count()
+    # Another run that fixed one first wins: its price stands (the unique allocation refuses ours).
+    AllocationMeter.objects.bulk_create(meters, ignore_conflicts=True)
+    return AllocationMeter.objects.filter(allocation_id__in=[a.pk for a in allocs]).count() - before
 
 
 def utilisation_sample(*, now: datetime) -> int:
