@@ -319,6 +319,9 @@ CELERY_TASK_IGNORE_RESULT = True
 WHALEZEN_CYCLE_SECONDS = float(os.environ.get("WHALEZEN_CYCLE_SECONDS", 5))
 # A worker killed mid-cycle holds its tenant's cycle lease at most this long.
 WHALEZEN_CYCLE_LEASE_SECONDS = int(os.environ.get("WHALEZEN_CYCLE_LEASE_SECONDS", 120))
+# A queue whose inputs did not change since a cycle that changed nothing is decided again at least this
+# often (broker/scheduler/digest.py): run times, checkpoint ages and spend change with time alone.
+WHALEZEN_CYCLE_REFRESH_SECONDS = float(os.environ.get("WHALEZEN_CYCLE_REFRESH_SECONDS", 60))
 CELERY_BEAT_SCHEDULE = {
     "scheduling-sweep": {"task": "scheduler.sweep", "schedule": WHALEZEN_CYCLE_SECONDS},
     "provisioning-sweep": {"task": "provisioning.sweep", "schedule": 30.0},

@@ -13,6 +13,10 @@ class CycleLease(models.Model):
     holder = models.CharField(max_length=64, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     cycles = models.PositiveBigIntegerField(default=0)
+    # The inputs of the last full cycle that found nothing to do (broker/scheduler/digest.py), and when it
+    # ran: a cycle with the same inputs within WHALEZEN_CYCLE_REFRESH_SECONDS does not decide again.
+    inputs_digest = models.CharField(max_length=64, blank=True)
+    decided_at = models.DateTimeField(null=True, blank=True)
 
 
 class CycleRecord(models.Model):

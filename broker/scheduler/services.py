@@ -35,6 +35,7 @@ from broker.jobs.services import GpuRequest, JobError, job_set_pending_reason, j
 from broker.jobs.states import JobState
 from broker.provisioning.offers import OfferRef, cloud_offers, pool_launch_limits
 from broker.provisioning.services import InstanceCapReached, launch_request
+from broker.scheduler.digest import cycle_inputs_digest
 from broker.scheduler.models import CycleLease, CycleRecord
 from providers.local.processes import process_start_time
 from broker.scheduler.snapshot import component_snapshot
@@ -77,6 +78,8 @@ class CycleOutcome:
     # Seconds per phase: snapshot (offers and the database read), solve (the engine), commit (moves,
     # placements, launches), reasons (pending reasons written).
     phases: dict[str, float] = field(default_factory=dict)
+    # Nothing the decision depends on changed since the last cycle that found nothing to do: not decided again.
+    unchanged: bool = False
 
 
 _HOST = socket.gethostname()[:24]
@@ -132,6 +135,13 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
         if not _cycle_wanted(tenants=component, policy=policy):
             return CycleOutcome(ran=True)
         clock = time.perf_counter()
+        digest = cycle_inputs_digest(tenant_ids=[t.pk for t in component])
+        # Only a queue is not decided again: a cycle with nothing pending is a consolidation cycle, due by
+        # the clock (scheduling.moves.cycle_wanted), and what it looks at changes with time alone.
+        queued = Job.objects.filter(tenant__in=component, state=JobState.PENDING).exists()
+        if queued and _unchanged_since_last_decision(lease_tenant, digest):
+            return CycleOutcome(ran=True, unchanged=True, phases={
+                "snapshot": time.perf_counter() - clock, "solve": 0.0, "commit": 0.0, "reasons": 0.0})
         offers, offer_index = cloud_offers(tenants=component)
         snapshot = component_snapshot(tenants=component, seed=cycle_number, offers=offers,
                                       launch_limits=pool_launch_limits(tenants=component))
@@ -152,9 +162,25 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
             objective=plan.solver.objective, note=(teams + "; ".join(outcome.conflicts))[:2000],
             phases={name: round(seconds, 6) for name, seconds in outcome.phases.items()},
         )
+        # Remembered only when the cycle changed nothing: then the same inputs would decide the same again.
+        idle = not (outcome.placed or outcome.preempted or outcome.moved or outcome.launched or outcome.conflicts)
+        CycleLease.objects.filter(tenant=lease_tenant, holder=holder).update(
+            inputs_digest=digest if idle else "", decided_at=timezone.now())
         return outcome
     finally:
         _lease_release(lease_tenant, holder)
+
+
+def cycle_refresh_seconds() -> float:
+    """At most this long between two full decisions, even with unchanged inputs (time alone changes some)."""
+    return float(getattr(settings, "WHALEZEN_CYCLE_REFRESH_SECONDS", 60))
+
+
+def _unchanged_since_last_decision(lease_tenant: Tenant, digest: str) -> bool:
+    lease = CycleLease.objects.filter(tenant=lease_tenant).values("inputs_digest", "decided_at").first()
+    if not lease or lease["inputs_digest"] != digest or lease["decided_at"] is None:
+        return False
+    return (timezone.now() - lease["decided_at"]).total_seconds() < cycle_refresh_seconds()
 
 
 def _preemption_words(*, preemption: sm.Preemption, for_job: Job | None, node: Node | None) -> tuple[str, dict]:

@@ -172,3 +172,27 @@ def test_the_snapshot_marks_cloud_instances_as_rented_and_owned_nodes_not(acme, 
     rented = {n.id: n.rented for n in tenant_snapshot(tenant=acme.tenant).nodes}
     assert rented[str(instance.pk)] is True
     assert all(rented[str(n.pk)] is False for n in acme.nodes)
+
+
+def test_a_queue_nothing_changed_in_is_not_decided_again_until_the_refresh(acme, settings):
+    too_big = submit(acme, name="too-big", resources={"gpus": 64})
+    first = scheduling_cycle_run(tenant=acme.tenant)
+    assert first.ran and not first.unchanged and first.placed == []
+    records = CycleRecord.objects.count()
+    reason = Job.objects.get(pk=too_big.pk).pending_reason
+    again = scheduling_cycle_run(tenant=acme.tenant)
+    assert again.ran and again.unchanged and again.plan is None
+    assert CycleRecord.objects.count() == records and Job.objects.get(pk=too_big.pk).pending_reason == reason
+    # Anything the decision reads changes: decided again (a new job is placed at once).
+    fits = submit(acme, name="fits", resources={"gpus": 1})
+    decided = scheduling_cycle_run(tenant=acme.tenant)
+    assert not decided.unchanged and decided.placed == [fits.pk]
+    # A node going away is a change too.
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert scheduling_cycle_run(tenant=acme.tenant).unchanged
+    acme.nodes[1].state = "DRAINING"
+    acme.nodes[1].save()
+    assert not scheduling_cycle_run(tenant=acme.tenant).unchanged
+    # Time alone changes some inputs (run times, budgets): a full decision at least every refresh period.
+    settings.WHALEZEN_CYCLE_REFRESH_SECONDS = 0
+    assert not scheduling_cycle_run(tenant=acme.tenant).unchanged
