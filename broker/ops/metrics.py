@@ -11,8 +11,8 @@ figure is one aggregate query. Names follow Kueue's and Volcano's patterns (`<sy
 - `whalezen_cloud_instances{provider,state}`;
 - `whalezen_admitted_jobs_total{tenant}` (allocations made), `whalezen_preempted_jobs_total{tenant}`,
   `whalezen_migrations_total{cause,result}` (finished moves by outcome);
-- `whalezen_scheduling_cycle_duration_seconds{phase="solve"}`, a histogram of the engine's solve
-  time over the recorded cycles (CycleRecord);
+- `whalezen_scheduling_cycle_duration_seconds{phase}`, a histogram over the recorded cycles
+  (CycleRecord): `solve` (the engine), `snapshot`, `commit` and `reasons` (cycles that recorded phases);
 - `whalezen_spend_dollars{tenant,provider}`: month-to-date spend by pool kind, the figure budgets
   are checked against (broker/scheduler/spend.py).
 
@@ -123,6 +123,14 @@ class BrokerCollector(Collector):
         row = CycleRecord.objects.aggregate(total=Count("id"), seconds=Sum("solve_seconds"), **buckets)
         family.add_metric(["solve"], [(repr(b), row[f"le_{i}"]) for i, b in enumerate(CYCLE_BUCKETS_S)]
                           + [("+Inf", row["total"])], sum_value=row["seconds"] or 0.0)
+        # The whole cycle's other phases, from the records that have them (CycleRecord.phases).
+        for phase in ("snapshot", "commit", "reasons"):
+            recorded = CycleRecord.objects.filter(**{f"phases__{phase}__isnull": False})
+            counts = recorded.aggregate(total=Count("id"), **{
+                f"le_{i}": Count("id", filter=Q(**{f"phases__{phase}__lte": b})) for i, b in enumerate(CYCLE_BUCKETS_S)})
+            total_s = sum(float(p.get(phase, 0.0)) for p in recorded.values_list("phases", flat=True))
+            family.add_metric([phase], [(repr(b), counts[f"le_{i}"]) for i, b in enumerate(CYCLE_BUCKETS_S)]
+                              + [("+Inf", counts["total"])], sum_value=total_s)
         return family
 
 

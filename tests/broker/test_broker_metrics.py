@@ -90,3 +90,19 @@ def test_spend_by_tenant_and_provider_and_request_durations_by_route(acme, globe
     assert value(m, f"{duration}_count", method="GET", route="api/v1/jobs/<pk>/", status="200") >= 3
     # A random path is one label value, whatever the path.
     assert value(m, f"{duration}_count", method="GET", route="unmatched", status="404") >= 1
+
+
+def test_the_cycle_histogram_has_every_phase_of_recorded_cycles(acme):
+    CycleRecord.objects.create(tenant=acme.tenant, solve_seconds=0.2,
+                               phases={"snapshot": 0.03, "solve": 0.2, "commit": 1.5, "reasons": 0.004})
+    CycleRecord.objects.create(tenant=acme.tenant, solve_seconds=0.1,
+                               phases={"snapshot": 0.4, "solve": 0.1, "commit": 0.02, "reasons": 0.0})
+    CycleRecord.objects.create(tenant=acme.tenant, solve_seconds=0.1)  # recorded before phases existed
+    m = scrape()
+    cycle = "whalezen_scheduling_cycle_duration_seconds"
+    assert value(m, f"{cycle}_bucket", phase="solve", le="+Inf") == 3
+    assert value(m, f"{cycle}_bucket", phase="commit", le="+Inf") == 2
+    assert value(m, f"{cycle}_bucket", phase="commit", le="0.025") == 1
+    assert value(m, f"{cycle}_bucket", phase="snapshot", le="0.05") == 1
+    assert value(m, f"{cycle}_sum", phase="commit") == pytest.approx(1.52)
+    assert value(m, f"{cycle}_bucket", phase="reasons", le="0.005") == 2
