@@ -24,6 +24,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from broker.api.fields import StrictSerializer
 from broker.api.schema import FIELD_ERRORS, THROTTLED, WhaleZenAutoSchema
 from broker.api.throttles import JobSubmitThrottle
 from broker.billing.metering import month_of
@@ -319,7 +320,7 @@ class StatementDetailView(BillingView):
         return Response(statement)
 
 
-class BudgetInSerializer(serializers.Serializer):
+class BudgetInSerializer(StrictSerializer):
     monthly_budget_usd = serializers.DecimalField(max_digits=14, decimal_places=2, min_value=0, allow_null=True)
 
 
