@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from scheduling.book import Book
 from scheduling.capacity import NodeCapacity, PartDemand
-from scheduling.model import WHOLE_GPU_MILLI, JobDemand, Migration, PlacementPart, RunningAllocation
+from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, RunningAllocation
 from scheduling.problem import Problem
 from scheduling.quota import quota_governed
 from scheduling.whatif import can_move, fits_on, running_by_node
@@ -72,7 +72,7 @@ def plan_consolidation(problem: Problem, book: Book, busy: set[str], budget: int
             book.refresh_node(position)
             if book.quota is not None and quota_governed(destination.node):
                 model = destination.node.gpus[positions[0]].model if positions else ""
-                book.quota.charge(_as_job(allocation), model, _share(part))
+                book.quota.charge(replace(allocation.demand, job_id=allocation.job_id), model, _share(part))
             plan.append(Migration(
                 job_id=allocation.job_id, from_node_id=origin, reason="cheaper",
                 to=PlacementPart(gpu_indices=destination.gpu_indices(positions), gpu_milli=part.milli,
@@ -159,8 +159,3 @@ def _model_of(node, gpu_indices: tuple[int, ...]) -> str:
 def _share(part: PartDemand) -> float:
     return part.gpus * min(part.milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI if part.gpus else 0.0
 
-
-def _as_job(allocation: RunningAllocation):
-    """The demand a quota charge is made for (its team; a move keeps the job's own demand)."""
-    return replace(allocation.demand, job_id=allocation.job_id) if allocation.demand is not None else \
-        JobDemand(allocation.job_id, tenant=allocation.tenant)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from scheduling.book import Book
 from scheduling.model import Policy, Preemption, Snapshot
 from scheduling.problem import Problem, build_problem
-from scheduling.quota import quota_governed
+from scheduling.quota import model_at, quota_governed
 from scheduling.whatif import could_ever_fit, minimal_victims, release, running_by_node
 
 # Pending jobs considered per cycle (highest priority, then oldest): bounds the what-if work.
@@ -157,7 +157,7 @@ def _held(ledger, allocation, node) -> dict[str, float]:
     """What an allocation counts against each managed flavor."""
     held: dict[str, float] = {}
     for index in allocation.gpu_indices:
-        model = next((g.model for g in node.gpus if g.index == index), "")
+        model = model_at(node, index)
         for flavor, amount in ledger.amounts(model, min(allocation.gpu_milli, 1000) / 1000):
             held[flavor] = held.get(flavor, 0.0) + amount
     return held

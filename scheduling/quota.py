@@ -87,7 +87,7 @@ class QuotaLedger:
             if node is None:
                 continue
             for index in allocation.gpu_indices:
-                model = _model_at(node, index)
+                model = model_at(node, index)
                 for flavor, amount in self.amounts(model, min(allocation.gpu_milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI):
                     self.usage[allocation.tenant, flavor] += amount
         self.teams: tuple[str, ...] = tuple(sorted(
@@ -173,7 +173,7 @@ class QuotaLedger:
         if not quota_governed(node):
             return
         for index in gpu_indices:
-            for flavor, amount in self.amounts(_model_at(node, index), min(gpu_milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI):
+            for flavor, amount in self.amounts(model_at(node, index), min(gpu_milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI):
                 self.usage[team, flavor] -= amount
 
     def describe(self, team: str, flavor: str) -> dict[str, float | str | None]:
@@ -217,7 +217,7 @@ class QuotaLedger:
         return None
 
 
-def _model_at(node: NodeState, index: int) -> str:
+def model_at(node: NodeState, index: int) -> str:
     for gpu in node.gpus:
         if gpu.index == index:
             return gpu.model
@@ -231,12 +231,13 @@ def fair_share_factors(ledger: QuotaLedger, snapshot: Snapshot) -> dict[str, flo
     for record in snapshot.usage:
         decayed[record.tenant, record.flavor] += max(0.0, record.decayed_hours)
     usage = decayed if decayed else ledger.usage
+    totals = {flavor: (sum(usage.get((t, flavor), 0.0) for t in ledger.teams),
+                       sum(ledger.limits_of(t, flavor).nominal for t in ledger.teams)) for flavor in ledger.flavors}
     factors = {}
     for team in ledger.teams:
         dominant = 0.0
         for flavor in ledger.flavors:
-            total_usage = sum(usage.get((t, flavor), 0.0) for t in ledger.teams)
-            total_nominal = sum(ledger.limits_of(t, flavor).nominal for t in ledger.teams)
+            total_usage, total_nominal = totals[flavor]
             if total_usage <= EPS:
                 continue
             entitlement = ledger.limits_of(team, flavor).nominal / total_nominal if total_nominal > EPS else 0.0

@@ -57,9 +57,10 @@ def placements_commit(*, items: list[tuple[Job, list[GpuRequest]]]) -> BatchResu
                 _commit_chunk(chunk, result)
         except IntegrityError:
             # Only a writer outside these locks can make the constraint fire: fall back to one
-            # transaction per job, each with its own checks.
+            # transaction per job, each with its own checks. The rolled-back chunk placed nothing
+            # (`placed` is extended only after its inserts); what it refused is decided again.
             for job, requests in chunk:
-                result.placed = [j for j in result.placed if j != job.pk]
+                result.refused.pop(job.pk, None)
                 try:
                     allocation_commit(job=job, requests=requests)
                     result.placed.append(job.pk)

@@ -24,7 +24,9 @@ from __future__ import annotations
 from typing import Iterator
 
 from django.utils import timezone
-from django.db.models import Count, Exists, OuterRef, Q, Sum
+from django.db.models import Count, Exists, FloatField, OuterRef, Q, Sum
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import Cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -126,11 +128,12 @@ class BrokerCollector(Collector):
         # The whole cycle's other phases, from the records that have them (CycleRecord.phases).
         for phase in ("snapshot", "commit", "reasons"):
             recorded = CycleRecord.objects.filter(**{f"phases__{phase}__isnull": False})
-            counts = recorded.aggregate(total=Count("id"), **{
-                f"le_{i}": Count("id", filter=Q(**{f"phases__{phase}__lte": b})) for i, b in enumerate(CYCLE_BUCKETS_S)})
-            total_s = sum(float(p.get(phase, 0.0)) for p in recorded.values_list("phases", flat=True))
+            counts = recorded.aggregate(
+                total=Count("id"), seconds=Sum(Cast(KeyTextTransform(phase, "phases"), FloatField())),
+                **{f"le_{i}": Count("id", filter=Q(**{f"phases__{phase}__lte": b}))
+                   for i, b in enumerate(CYCLE_BUCKETS_S)})
             family.add_metric([phase], [(repr(b), counts[f"le_{i}"]) for i, b in enumerate(CYCLE_BUCKETS_S)]
-                              + [("+Inf", counts["total"])], sum_value=total_s)
+                              + [("+Inf", counts["total"])], sum_value=counts["seconds"] or 0.0)
         return family
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
-from django.db.models import Count, Max, Q, Sum
+from django.db.models import Count, Max, Q
 from django.utils import timezone
 
 from broker.inventory.models import CloudInstance, Gpu, Node, OfferBlock, Pool, PoolGrant
@@ -29,10 +29,8 @@ def cycle_inputs_digest(*, tenant_ids: list[int]) -> str:
         live_jobs.aggregate(n=Count("id"), latest=Max("updated_at"), newest=Max("id")),
         Allocation.objects.filter(node__tenant_id__in=tenant_ids).aggregate(
             newest=Max("id"), active=Count("id", filter=Q(active=True))),
-        sorted(Node.objects.filter(tenant_id__in=tenant_ids).values_list("state").annotate(n=Count("id"),
-                                                                                             epochs=Sum("epoch"))),
-        sorted(Node.objects.filter(tenant_id__in=tenant_ids).values_list("pk", "pool_id", "labels", "cpu_milli",
-                                                                        "memory_mb")),
+        sorted(Node.objects.filter(tenant_id__in=tenant_ids).values_list(
+            "pk", "state", "epoch", "pool_id", "labels", "cpu_milli", "memory_mb")),
         sorted(Gpu.objects.filter(node__tenant_id__in=tenant_ids).values_list("health").annotate(n=Count("id"))),
         sorted(Pool.objects.filter(tenant_id__in=tenant_ids).values_list(
             "pk", "enabled", "max_instances", "gpu_hour_rate_usd", "marginal_cost_usd_per_gpu_hour", "region")),
