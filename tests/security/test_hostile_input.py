@@ -8,6 +8,7 @@ database as it was. The package's conftest checks the process's memory over the 
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 import urllib.parse
@@ -31,6 +32,10 @@ SECONDS = 1.0  # the issue's coarse bound per answer: CPU the server spends on i
 # seven agents) can take the core for over a second: a refused 688-byte alias bomb once read 1.2 s of wall
 # time and 0.1 s when run alone, so wall time alone measured the neighbours, not the server.
 HANG_SECONDS = 10.0
+# The CPU bound once failed on a refused 20 KB YAML bomb that libyaml refuses in 2 ms: 1.16 s of this
+# process's CPU, late in a 1,400-test worker. A full collection of every earlier test's objects lands
+# on whichever call allocates at the wrong moment; `gc.freeze()` before the calls leaves the collector
+# only the objects the server makes while answering, so those still count and the suite's heap does not.
 MAX_ANSWER_BYTES = 4096  # an error quotes excerpts, never the value
 
 SCHEMA = SchemaGenerator().get_schema(request=None, public=True)
@@ -115,21 +120,52 @@ def _send_all(calls, *, need_4xx: bool = True) -> list[str]:
     """Send each (label, callable) and report what went wrong, the database digest included."""
     failures = []
     before = db_digest()
-    for label, call in calls:
+    gc.collect()
+    gc.freeze()
+    try:
+        for label, call in calls:
+            failure, before = _send_one(label, call, need_4xx=need_4xx, before=before)
+            failures += [failure] if failure else []
+    finally:
+        gc.unfreeze()
+    return failures
+
+
+def _send_one(label: str, call, *, need_4xx: bool, before: str) -> tuple[str | None, str]:
+    """One call's failure (or None) and the database digest after it."""
+    collector = _CollectorTime()
+    gc.callbacks.append(collector)
+    try:
         cache.clear()  # no rate limit answers before validation does (see conftest.no_rate_limits)
         start, cpu = time.perf_counter(), time.process_time()
         resp = call()
         took, cpu_took = time.perf_counter() - start, time.process_time() - cpu
-        problems = list(dict.fromkeys(_problems(resp, cpu_took, need_4xx=need_4xx)))
-        if took >= HANG_SECONDS:
-            problems.append(f"answered after {took:.1f} s")
-        after = db_digest()
-        if after != before:
-            problems.append("the database changed")
-            before = after
-        if problems:
-            failures.append(f"{label}: {', '.join(problems)} -> {resp.content[:160]!r}")
-    return failures
+    finally:
+        gc.callbacks.remove(collector)
+    problems = list(dict.fromkeys(_problems(resp, cpu_took, need_4xx=need_4xx)))
+    if took >= HANG_SECONDS:
+        problems.append(f"answered after {took:.1f} s")
+    after = db_digest()
+    if after != before:
+        problems.append("the database changed")
+    if not problems:
+        return None, after
+    return (f"{label}: {', '.join(problems)} (garbage collector {collector.seconds:.2f} s) "
+            f"-> {resp.content[:160]!r}"), after
+
+
+class _CollectorTime:
+    """Seconds the garbage collector ran during one call: said in a failure, so a pause is told apart."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
 
 
 def test_every_route_that_takes_a_body_is_covered():
