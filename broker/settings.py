@@ -71,6 +71,8 @@ INSTALLED_APPS = [
     "broker.provisioning",
     "broker.ops",
     "broker.billing",
+    "broker.console",
+    "django_htmx",
 ]
 
 MIDDLEWARE = [
@@ -85,6 +87,8 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    # request.htmx: console views answer an htmx request with the fragment it swaps in.
+    "django_htmx.middleware.HtmxMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # Last, as django-axes asks: answers a locked-out login with 429.
     "axes.middleware.AxesMiddleware",
@@ -103,6 +107,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "broker.console.context_processors.console",
             ],
         },
     },
@@ -167,6 +172,10 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
+
+# The console's login page; after login, its dashboard.
+LOGIN_URL = "console:login"
+LOGIN_REDIRECT_URL = "console:dashboard"
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"

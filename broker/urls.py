@@ -19,5 +19,7 @@ urlpatterns = [
                                                      authentication_classes=[]), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema", permission_classes=[],
                                                     authentication_classes=[]), name="api-redoc"),
+    # The web console (broker/console/): "/" is its dashboard.
+    path("", include("broker.console.urls")),
 ]
 handler404 = "broker.api.errors.not_found"

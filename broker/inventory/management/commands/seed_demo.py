@@ -91,6 +91,22 @@ def seed_shared_demo(models: dict[str, GpuModel], *, password: str, saved: dict[
     return [f"TOKEN {slug} {secrets[slug]}"]
 
 
+def demo_console_users(*, tenant: Tenant, admin, password: str) -> list[str]:
+    """A member and a viewer beside the admin, so the console's three roles can be tried; one line each
+    for `make run` to print (the password is the demo's, never a real one)."""
+    User = get_user_model()
+    lines = [f"USER {admin.username} {password} admin of {tenant.slug}"]
+    for role in (Role.MEMBER, Role.VIEWER):
+        user, created = User.objects.get_or_create(username=f"{tenant.slug}-{role}",
+                                                   defaults={"email": f"{role}@{tenant.slug}.example"})
+        if created:
+            user.set_password(password)
+            user.save()
+        membership_add(tenant=tenant, user=user, role=role)
+        lines.append(f"USER {user.username} {password} {role} of {tenant.slug}")
+    return lines
+
+
 def seed_gpu_models() -> dict[str, GpuModel]:
     models = {}
     for name, memory_gb, tflops, nvlink, aliases in DEFAULT_GPU_MODELS:
@@ -171,6 +187,7 @@ class Command(BaseCommand):
                     user.set_password(password)
                     user.save()
                 membership_add(tenant=tenant, user=user, role=Role.ADMIN)
+                lines += demo_console_users(tenant=tenant, admin=user, password=password)
                 pool, _ = Pool.objects.get_or_create(
                     tenant=tenant, name="onprem", defaults={"kind": PoolKind.ONPREM, "region": "dc1",
                                                             "gpu_hour_rate_usd": Decimal("1.10")})
