@@ -1,0 +1,96 @@
+"""Browser tests: Playwright driving Debian's Chromium (`/usr/bin/chromium`, installed by .ci/run; no
+browser download) against pytest-django's live server. Each page a test visits is saved as a screenshot
+under var/screenshots/ (CI keeps them as artefacts; README "Web console" says how to look at them).
+
+Without Chromium (a fresh laptop) these tests are skipped with that reason; .ci/run installs it and fails
+the run if any test was skipped, so in CI they always run."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.broker.conftest import _fresh_cache, acme, globex, gpu_models  # noqa: F401  (fixtures)
+
+CHROMIUM = os.environ.get("WHALEZEN_CHROMIUM", "/usr/bin/chromium")
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
+PASSWORD = "console-test-pass"
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    if not shutil.which(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)")
+    playwright_sync = pytest.importorskip("playwright.sync_api")
+    # Playwright's sync API keeps an event loop running in this thread, and Django then refuses ORM
+    # calls from it (SynchronousOnlyOperation) although they are plain synchronous calls: allowed for
+    # the browser tests only, as Playwright's own Django guide does, and put back after them.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    with playwright_sync.sync_playwright() as pw:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+    os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+
+
+class Session:
+    """One user's browser context on the live server: log in through the form, visit, screenshot."""
+
+    def __init__(self, browser, base_url: str, *, viewport: dict | None = None) -> None:
+        self.base_url = base_url
+        self.context = browser.new_context(base_url=base_url, viewport=viewport or {"width": 1366, "height": 900},
+                                           accept_downloads=True)
+        self.context.set_default_timeout(10_000)
+        self.page = self.context.new_page()
+        self.console_errors: list[str] = []
+        self.page.on("console", lambda msg: msg.type == "error" and self.console_errors.append(msg.text))
+        self.page.on("pageerror", lambda exc: self.console_errors.append(str(exc)))
+        self.outside_requests: list[str] = []
+        self.page.on("request", self._watch)
+
+    def _watch(self, request) -> None:
+        if not (request.url.startswith(self.base_url) or request.url.startswith("data:")
+                or request.url.startswith("blob:")):
+            self.outside_requests.append(request.url)
+
+    def login(self, username: str, password: str = PASSWORD) -> None:
+        self.page.goto("/login/")
+        self.page.get_by_label("Username").fill(username)
+        self.page.get_by_label("Password").fill(password)
+        self.page.get_by_role("button", name="Log in").click()
+        self.page.wait_for_url(f"{self.base_url}/")
+
+    def shot(self, name: str, *, full_page: bool = True) -> Path:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        path = SCREENSHOTS / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=full_page)
+        return path
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def open_session(chromium, live_server):
+    sessions: list[Session] = []
+
+    def start(**kwargs) -> Session:
+        session = Session(chromium, live_server.url, **kwargs)
+        sessions.append(session)
+        return session
+
+    yield start
+    for session in sessions:
+        session.close()
+
+
+@pytest.fixture
+def passwords(acme, globex):
+    """The fixtures' users get a password (the broker fixtures skip hashing; a browser logs in by form)."""
+    for world in (acme, globex):
+        for user in (world.admin, world.member, world.viewer):
+            user.set_password(PASSWORD)
+            user.save(update_fields=["password"])
