@@ -11,3 +11,16 @@ urlpatterns = [
     path("logout/", auth.LogoutView.as_view(), name="logout"),
     path("team/switch/", auth.team_switch, name="team-switch"),
 ]
+
+# Jobs, the job page and its actions, submit and its live quote (views/jobs.py, views/submit.py).
+from broker.console.views import jobs, submit  # noqa: E402
+
+urlpatterns += [
+    path("jobs/", jobs.jobs_list, name="jobs"),
+    path("jobs/<int:pk>/", jobs.job_page, name="job"),
+    path("jobs/<int:pk>/cancel/", jobs.job_cancel, name="job-cancel"),
+    path("jobs/<int:pk>/checkpoint/", jobs.job_checkpoint, name="job-checkpoint"),
+    path("jobs/<int:pk>/migrate/", jobs.job_migrate, name="job-migrate"),
+    path("submit/", submit.submit_page, name="submit"),
+    path("submit/quote/", submit.quote_fragment, name="submit-quote"),
+]
