@@ -186,10 +186,23 @@ class PhaseClock:
 def _timed_cycle(tenant: Any) -> tuple[float, dict[str, float], str, Any]:
     from broker.scheduler.services import scheduling_cycle_run
 
+    profile_dir = os.environ.get("WHALEZEN_BENCH_PROFILE")  # a folder: one cProfile dump per cycle there
+    profiler = None
+    if profile_dir:
+        import cProfile
+
+        profiler = cProfile.Profile()
     with PhaseClock() as clock:
         started = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         outcome = scheduling_cycle_run(tenant=tenant)
+        if profiler is not None:
+            profiler.disable()
         seconds = time.perf_counter() - started
+    if profiler is not None:
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(Path(profile_dir) / f"cycle-{time.time_ns()}.pstats"))
     given = getattr(outcome, "phases", None)
     if given:
         return seconds, {p: round(float(given.get(p, 0.0)), 4) for p in PHASES}, "CycleOutcome.phases", outcome

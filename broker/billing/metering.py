@@ -138,7 +138,8 @@ def current_rate(alloc: Allocation) -> tuple[Decimal, str, bool]:
 
 
 def current_rates(allocs: list[Allocation]) -> dict[int, tuple[Decimal, str, bool]]:
-    """`current_rate` of many allocations (slices__gpu__model and node__pool loaded) in two queries."""
+    """`current_rate` of many allocations in two queries: node__pool loaded, and either the slices with
+    their GPU model prefetched or the model annotated as `first_gpu_model` (rates_fix)."""
     instances = {i.node_id: i for i in CloudInstance.objects.filter(node_id__in={a.node_id for a in allocs})}
     overrides = {(o.pool_id, o.gpu_model): Decimal(o.rate_usd_per_gpu_hour) for o in ChargebackRate.objects.filter(
         pool_id__in={a.node.pool_id for a in allocs})}
@@ -148,7 +149,8 @@ def current_rates(allocs: list[Allocation]) -> dict[int, tuple[Decimal, str, boo
         if instance is not None:
             rates[alloc.pk] = (instance_rate(instance), "instance", instance.spot)
             continue
-        override = overrides.get((alloc.node.pool_id, _gpu_model(alloc)))
+        model = alloc.first_gpu_model if hasattr(alloc, "first_gpu_model") else _gpu_model(alloc)
+        override = overrides.get((alloc.node.pool_id, model or ""))
         rates[alloc.pk] = ((override, "pool_model", False) if override is not None
                            else (Decimal(alloc.node.pool.gpu_hour_rate_usd), "pool", False))
     return rates

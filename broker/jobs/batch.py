@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
@@ -115,12 +115,14 @@ def _commit_chunk(chunk: list[tuple[Job, list[GpuRequest]]], result: BatchResult
     if not placed:
         return
     Allocation.objects.bulk_create(allocations)
-    AllocationSlice.objects.bulk_create([AllocationSlice(allocation=allocation, gpu=gpu, slot=slot)
-                                         for allocation, picks in slices for gpu, slots in picks for slot in slots])
-    changed = [nodes[pk] for pk in nodes if epochs[pk] != nodes[pk].epoch]
-    for node in changed:
-        node.epoch = epochs[node.pk]
-    Node.objects.bulk_update(changed, ["epoch"])
+    _slices_insert([(allocation.pk, gpu.pk, slot) for allocation, picks in slices for gpu, slots in picks
+                    for slot in slots])
+    changed = [(epochs[pk], pk) for pk in nodes if epochs[pk] != nodes[pk].epoch]  # never empty: a job was placed
+    with connection.cursor() as cursor:  # bulk_update's CASE WHEN per node took 0.1 s a chunk
+        cursor.executemany(f"UPDATE {connection.ops.quote_name(Node._meta.db_table)} SET "
+                           f"{connection.ops.quote_name(Node._meta.get_field('epoch').column)} = %s WHERE id = %s", changed)
+    for epoch, pk in changed:
+        nodes[pk].epoch = epoch
     updated = Job.objects.filter(pk__in=placed, state=JobState.PENDING).update(
         state=JobState.PLACED, updated_at=now, pending_reason_code="", pending_reason="", pending_reason_data={})
     if updated != len(placed):  # the rows are locked: only a bug gets here
@@ -129,6 +131,28 @@ def _commit_chunk(chunk: list[tuple[Job, list[GpuRequest]]], result: BatchResult
     result.placed.extend(placed)
     ids = [allocation.pk for allocation in allocations]
     transaction.on_commit(lambda: allocations_committed.send(sender=Allocation, allocation_ids=ids), robust=True)
+
+
+def _slices_insert(rows: list[tuple[int, int, int]]) -> None:
+    """(allocation id, GPU id, slot) rows inserted active: ten rows per GPU, about 50,000 for 5,000
+    placements, where bulk_create built a model instance per row and read every id back (2 s of a cycle's
+    commit). The partial unique constraint still refuses a slot held twice
+    (IntegrityError: the caller rolls the chunk back)."""
+    meta = AllocationSlice._meta
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(meta.get_field(name).column) for name in ("allocation", "gpu", "slot", "active"))
+    table = quote(meta.db_table)
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            # COPY: psycopg parsing a 4,000-placeholder INSERT took longer than PostgreSQL inserting it
+            # (2.7 of 3.2 s for 45,000 rows); errors wrapped as Django's, so IntegrityError still reaches
+            # placements_commit.
+            with connection.wrap_database_errors, cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
+                for allocation_id, gpu_id, slot in rows:
+                    copy.write_row((allocation_id, gpu_id, slot, True))
+        else:
+            cursor.executemany(f"INSERT INTO {table} ({columns}) VALUES (%s, %s, %s, %s)",
+                               [(allocation_id, gpu_id, slot, True) for allocation_id, gpu_id, slot in rows])
 
 
 def _held_slots(node_ids: list[int]) -> dict[int, set[int]]:
