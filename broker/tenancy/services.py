@@ -37,6 +37,34 @@ def membership_add(*, tenant: Tenant, user: AbstractBaseUser, role: str = Role.M
     return membership
 
 
+class MembershipError(Exception):
+    """A refused membership change (the message is for the admin who asked)."""
+
+    def __init__(self, message: str, *, field: str = "role") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def membership_role_set(*, membership: Membership, role: str) -> Membership:
+    """Change one member's role. Refuses an unknown role, and demoting the team's last admin (a team
+    nobody can administer any more could only be mended by a platform operator). The admins are locked
+    while counting, so two admins demoting each other at once cannot leave the team with none."""
+    if role not in Role.values:
+        raise MembershipError(f"{str(role)[:20]!r} is not a role: use one of {', '.join(Role.values)}.")
+    with transaction.atomic():
+        locked = Membership.objects.select_for_update().get(pk=membership.pk)
+        if locked.role == Role.ADMIN and role != Role.ADMIN:
+            admins = list(Membership.objects.select_for_update()
+                          .filter(tenant_id=locked.tenant_id, role=Role.ADMIN).values_list("pk", flat=True))
+            if admins == [locked.pk]:
+                raise MembershipError("This is the team's last admin: make another member an admin first.")
+        if locked.role != role:
+            locked.role = role
+            locked.save(update_fields=["role"])
+    membership.role = locked.role
+    return locked
+
+
 def api_token_create(
     *,
     tenant: Tenant,
