@@ -24,3 +24,18 @@ urlpatterns += [
     path("submit/", submit.submit_page, name="submit"),
     path("submit/quote/", submit.quote_fragment, name="submit-quote"),
 ]
+
+# Nodes, costs (CSV, statements) and the team page (views/nodes.py, views/costs.py, views/team.py).
+from broker.console.views import costs, nodes, team  # noqa: E402
+
+urlpatterns += [
+    path("nodes/", nodes.nodes, name="nodes"),
+    path("costs/", costs.costs, name="costs"),
+    path("costs/export.csv", costs.costs_csv, name="costs-csv"),
+    path("costs/statements/<str:month>/", costs.statement, name="statement"),
+    path("team/", team.team, name="team"),
+    path("team/tokens/", team.token_create, name="team-token-create"),
+    path("team/tokens/<int:token_id>/revoke/", team.token_revoke, name="team-token-revoke"),
+    path("team/members/<int:membership_id>/role/", team.member_role, name="team-member-role"),
+    path("team/budget/", team.budget, name="team-budget"),
+]
