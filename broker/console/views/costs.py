@@ -1,10 +1,11 @@
 """/costs/: what the team spends, over time and by GPU model, pool and provider; statements; budget.
 
 Every figure comes from the billing reads the API uses (broker.billing.selectors.cost_report,
-statements.statements_list/statement_get/budget_status, savings.savings_report) with the API's scope
+statements.statements_list/statement_get/budget_status) with the API's scope
 rule: a team admin sees the whole team, anyone else the costs of their own jobs (and no statements).
 The from/to/group_by form goes through the API's own parser (parse_cost_params), so a bad value is
-refused in the API's words. CSV is rendered by the API's CSVRenderer, here on console routes so that it
+refused in the API's words. Savings (broker.billing.savings) are not shown: they ask every cloud
+pool's provider for offers, too slow and fragile for a page (a misconfigured pool raises). CSV is rendered by the API's CSVRenderer, here on console routes so that it
 is the team chosen in the console (the API's session login always reads the user's first team).
 """
 from __future__ import annotations
@@ -83,19 +84,11 @@ def costs(request: HttpRequest) -> HttpResponse:
         rows = report([key])
         breakdowns.append({"key": key, "label": label, "source": f"cost-by-{key}", "chart": _series(rows, key),
                            "rows": [{**r, "name": r[key]} for r in rows]})
-    total = report([])  # one row (or none): the window's totals
+    total = report(["team"])  # one row (or none): the window's totals (the team is the one key all rows share)
     context.update(start=start, end=end, group_by=group_by, rows=table, breakdowns=breakdowns,
                    total=total[0] if total else None, daily=_daily(report(["day", "gpu_model"])),
                    csv_query=request.GET.urlencode())
-    context["savings"] = _savings(tenant=tenant, start=start, end=end, user=user)
     return render(request, "console/costs.html", context)
-
-
-def _savings(**kwargs) -> dict | None:
-    """The savings totals against the cheapest on-demand offers (what /api/v1/costs/savings/ answers)."""
-    from broker.billing.savings import savings_report
-
-    return savings_report(**kwargs)["totals"]
 
 
 def _csv(data: dict | list, *, filename: str, status: int = 200) -> HttpResponse:
