@@ -58,6 +58,13 @@ def _gpus_text(job: Job) -> str:
     return text
 
 
+def reason_words(job: Job) -> str:
+    """The engine's sentence without the code it starts with ("INSUFFICIENT_GPUS: 0/2 nodes fit..."),
+    which the page shows beside it already."""
+    message, code = job.pending_reason or "", job.pending_reason_code
+    return message[len(code) + 1:].strip() if code and message.startswith(code + ":") else message
+
+
 def _active_allocations(job: Job) -> list[Allocation]:
     return [a for a in job.allocations.all() if a.active]
 
@@ -145,7 +152,7 @@ def _live_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     waiting = job.state == JobState.PENDING
     return {
         "job": job, "gpus_text": _gpus_text(job), "where": _where(job), "finished": job.state in TERMINAL_STATES,
-        "reason": {"code": job.pending_reason_code, "message": job.pending_reason,
+        "reason": {"code": job.pending_reason_code, "message": reason_words(job),
                    "rows": reason_rows(job.pending_reason_data or {})} if waiting else None,
         "events": events, "events_total": JobEvent.objects.filter(job=job).count(),
         "checkpoints": CheckpointOutSerializer(ckpts[:ROWS_SHOWN], many=True).data,
@@ -211,7 +218,8 @@ def jobs_list(request: HttpRequest) -> HttpResponse:
                "mine": mine, "states": STATE_CHOICES, "chosen_states": request.GET.getlist("state"),
                "priorities": PRIORITY_CHOICES, "chosen_priority": request.GET.get("priority", ""),
                "name": request.GET.get("name", ""),
-               "rows": [{"job": job, "gpus": _gpus_text(job), "where": _where(job)} for job in page]}
+               "rows": [{"job": job, "gpus": _gpus_text(job), "where": _where(job), "reason": reason_words(job)}
+                        for job in page]}
     tbody, unchanged = _live(request, "console/partials/jobs_tbody.html", "console/partials/jobs_rows.html", context)
     status = 200 if valid else 400
     if request.htmx and request.htmx.target == "jobs-rows":
