@@ -25,7 +25,7 @@ from broker.billing.statements import budget_status, statement_get, statements_l
 from broker.console.access import console_page
 
 DEFAULT_GROUP_BY = "gpu_model,provider,pool"
-BREAKDOWNS = (("gpu_model", "GPU model"), ("pool", "Pool"), ("provider", "Provider"))
+BREAKDOWNS = (("gpu_model", "GPU model"), ("pool", "pool"), ("provider", "provider"))
 
 
 def _user_filter(request: HttpRequest) -> str | None:
