@@ -84,7 +84,7 @@ def console_page(view: Callable | None = None, *, admin: bool = False) -> Callab
             request.console = console
             request._whalezen_tenant_ctx = console.ctx  # what tenant_context() returns for this request
             if admin and not console.is_admin:
-                return refuse(request, "Only a team admin may open this page.")
+                return refuse(request, "Only a team admin may do this.")
             if request.method not in ("GET", "HEAD", "OPTIONS") and not console.can_write:
                 return refuse(request, "Your role in this team is viewer: viewers read, they do not change anything.")
             return with_policy(func(request, *args, **kwargs))
