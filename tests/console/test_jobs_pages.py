@@ -232,3 +232,20 @@ def test_actions_are_posts(acme, as_admin):
     job = make_job(acme)
     assert as_admin.get(f"/jobs/{job.pk}/cancel/").status_code == 405
     assert state_of(job) == JobState.PENDING
+
+
+def test_the_buttons_follow_the_job_without_a_reload(acme, as_admin):
+    job = make_job(acme, name="soon-running", checkpoint={"uri": "s3://acme-ckpt/run2"})
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
+    page = as_admin.get(f"/jobs/{job.pk}/").content.decode()
+    actions = re.search(r'<div id="job-actions"[^>]*>', page).group(0)
+    digest = re.search(r'"digest": "([0-9a-f]+)"', actions).group(1)
+    assert re.search(r"<button type=\"submit\" disabled[^>]*>Migrate</button>", page)  # placed, not running yet
+    poll = {"digest": digest}
+    assert as_admin.get(f"/jobs/{job.pk}/", poll, HTTP_HX_TARGET="job-actions", **HX).status_code == 204
+    for state in (JobState.STARTING, JobState.RUNNING):
+        job = job_transition(job=job, to=state)
+    fresh = as_admin.get(f"/jobs/{job.pk}/", poll, HTTP_HX_TARGET="job-actions", **HX)
+    html = fresh.content.decode()
+    assert fresh.status_code == 200 and html.startswith('<div id="job-actions"') and "Timeline" not in html
+    assert re.search(r'<button type="submit">Migrate</button>', html)

@@ -236,16 +236,28 @@ def _job_or_404(request: HttpRequest, pk: int) -> Job:
 
 def _job_page(request: HttpRequest, job: Job, *, error: str = "", error_field: str = "",
               status: int = 200) -> HttpResponse:
-    context = {"nav": "jobs", **_live_context(request, job)}
-    live, unchanged = _live(request, "console/partials/job_live.html", "console/partials/job_live_body.html",
-                            context, poll=not context["finished"])
-    if request.htmx and request.htmx.target == "job-live":
-        if unchanged:
-            return HttpResponse(status=204)
-        # 286: htmx stops polling (the finished job's page will not change again) and still swaps.
-        return HttpResponse(live, status=286 if context["finished"] else 200)
-    return render(request, "console/job.html", {**context, **_actions_context(request, job), "live": mark_safe(live),
-                                                "action_error": error, "error_field": error_field}, status=status)
+    """The page, or one of its two live parts: the job's state and records (`job-live`), and the
+    buttons (`job-actions`), which poll apart so a move target being chosen is only reset when what
+    the buttons may do changed (the job started running, a move began)."""
+    finished = job.state in TERMINAL_STATES
+    target = request.htmx.target if request.htmx else None
+    parts: dict[str, str] = {}
+    for name, wrapper, inner, context_of in (
+            ("job-live", "job_live.html", "job_live_body.html", _live_context),
+            ("job-actions", "job_actions_live.html", "job_actions.html", _actions_context)):
+        if target in (None, name):
+            context = {"job": job, "error_field": error_field, **context_of(request, job)}
+            html, unchanged = _live(request, f"console/partials/{wrapper}", f"console/partials/{inner}", context,
+                                    poll=not finished)
+            if target == name:
+                if unchanged:
+                    return HttpResponse(status=204)
+                # 286: htmx swaps it, then stops polling (a finished job's page does not change again).
+                return HttpResponse(html, status=286 if finished else 200)
+            parts[name] = mark_safe(html)
+    return render(request, "console/job.html", {"nav": "jobs", "job": job, "live": parts["job-live"],
+                                                "actions": parts["job-actions"], "action_error": error},
+                  status=status)
 
 
 @console_page
