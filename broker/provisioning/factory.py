@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 
 from broker.inventory.models import Pool, PoolKind
-from providers.base import Provider
+from providers.base import ErrorKind, Provider, ProviderError
 from providers.registry import build_provider
 
 # Built providers are kept per process: the local provider tracks its child processes, and the
@@ -60,6 +60,13 @@ def provider_for_pool(pool: Pool) -> Provider:
     builders = {PoolKind.LOCAL: _local_config, PoolKind.AWS: _aws_config, PoolKind.GCP: _gcp_config}
     if pool.kind not in builders:
         raise ValueError(f"pool {pool} ({pool.kind}) does not launch instances")
-    provider = build_provider(pool.kind, broker_id=settings.WHALEZEN_BROKER_ID, **builders[pool.kind](pool, config))
+    try:
+        provider = build_provider(pool.kind, broker_id=settings.WHALEZEN_BROKER_ID, **builders[pool.kind](pool, config))
+    except TypeError as exc:
+        # A pool whose provider_config lacks a setting the provider needs (a GCP pool without `project`)
+        # is the admin's mistake, not a crash: the one provider error, so offers, quotes, savings and
+        # the scheduling cycle skip the pool and say why, as for a cloud that does not answer.
+        raise ProviderError(ErrorKind.BAD_REQUEST, f"pool {pool.name} is misconfigured: {exc}",
+                            provider=str(pool.kind)) from exc
     _cache[key] = provider
     return provider
