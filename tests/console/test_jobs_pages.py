@@ -249,3 +249,11 @@ def test_the_buttons_follow_the_job_without_a_reload(acme, as_admin):
     html = fresh.content.decode()
     assert fresh.status_code == 200 and html.startswith('<div id="job-actions"') and "Timeline" not in html
     assert re.search(r'<button type="submit">Migrate</button>', html)
+
+
+def test_the_priority_filter_keeps_a_number_that_has_no_name(acme, as_admin):
+    make_job(acme, name="custom", priority=75)
+    make_job(acme, name="plain")
+    resp = as_admin.get("/jobs/?priority=75")
+    assert "custom" in text_of(resp) and "plain" not in text_of(resp)
+    assert '<option value="75" selected>75</option>' in resp.content.decode()

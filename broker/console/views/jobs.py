@@ -209,6 +209,13 @@ def _live(request: HttpRequest, wrapper: str, inner: str, context: dict[str, Any
     return html, unchanged
 
 
+def _priority_choices(chosen: str) -> list[tuple[str, str]]:
+    """The named priorities, plus the number in the URL when it is another one (the API filters any)."""
+    if chosen.isascii() and chosen.isdigit() and len(chosen) < 6 and chosen not in dict(PRIORITY_CHOICES):
+        return [*PRIORITY_CHOICES, (chosen, chosen)]
+    return PRIORITY_CHOICES
+
+
 # -- the list ---------------------------------------------------------------------------------------
 @console_page
 def jobs_list(request: HttpRequest) -> HttpResponse:
@@ -222,7 +229,8 @@ def jobs_list(request: HttpRequest) -> HttpResponse:
     page = Paginator(filters.qs if valid else queryset.none(), PAGE_SIZE).get_page(request.GET.get("page"))
     context = {"nav": "jobs", "page": page, "filters": filters, "errors": filters.errors if not valid else {},
                "mine": mine, "states": STATE_CHOICES, "chosen_states": request.GET.getlist("state"),
-               "priorities": PRIORITY_CHOICES, "chosen_priority": request.GET.get("priority", ""),
+               "priorities": _priority_choices(request.GET.get("priority", "")),
+               "chosen_priority": request.GET.get("priority", ""),
                "name": request.GET.get("name", ""),
                "rows": [{"job": job, "gpus": _gpus_text(job), "where": _where(job), "reason": reason_words(job)}
                         for job in page]}
