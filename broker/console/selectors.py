@@ -70,8 +70,12 @@ def warnings(*, spend: dict, capacity: dict) -> list[str]:
     return out
 
 
+# A job checkpointing or being moved is still running its code: the dashboard counts it as running.
+RUNNING_STATES = (JobState.RUNNING, JobState.CHECKPOINTING, JobState.MIGRATING)
+
+
 def running_jobs(*, tenant: Tenant, limit: int = 10) -> list[Job]:
-    return list(Job.objects.filter(tenant=tenant, state=JobState.RUNNING).select_related("owner")
+    return list(Job.objects.filter(tenant=tenant, state__in=RUNNING_STATES).select_related("owner")
                 .order_by("-started_at", "-id")[:limit])
 
 
@@ -86,4 +90,5 @@ def dashboard(*, tenant: Tenant) -> dict:
     return {"spend": spend, "capacity": capacity, "states": states, "gpus_in_use": in_use,
             "gpus_in_use_total": round(sum(by_model.values()), 2), "gpus_by_model": dict(by_model),
             "pending": pending_by_reason(tenant=tenant), "queue_length": states.get(JobState.PENDING, 0),
-            "running": running_jobs(tenant=tenant), "warnings": warnings(spend=spend, capacity=capacity)}
+            "running": running_jobs(tenant=tenant), "running_count": sum(states.get(s, 0) for s in RUNNING_STATES),
+            "warnings": warnings(spend=spend, capacity=capacity)}

@@ -7,6 +7,7 @@ the run if any test was skipped, so in CI they always run."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -46,10 +47,17 @@ class Session:
         self.context.set_default_timeout(10_000)
         self.page = self.context.new_page()
         self.console_errors: list[str] = []
-        self.page.on("console", lambda msg: msg.type == "error" and self.console_errors.append(msg.text))
+        self.page.on("console", self._console)
         self.page.on("pageerror", lambda exc: self.console_errors.append(str(exc)))
         self.outside_requests: list[str] = []
         self.page.on("request", self._watch)
+
+    def _console(self, msg) -> None:
+        # A 4xx page is the console's answer to a bad form (a 400 with the errors next to the fields);
+        # Chromium logs each as "Failed to load resource". Anything else an error logs is a fault.
+        if msg.type == "error" and not re.match(r"Failed to load resource: the server responded with a status of 4\d\d",
+                                                msg.text):
+            self.console_errors.append(msg.text)
 
     def _watch(self, request) -> None:
         if not (request.url.startswith(self.base_url) or request.url.startswith("data:")

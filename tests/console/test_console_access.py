@@ -91,3 +91,9 @@ def test_every_console_asset_is_served_by_the_console_itself(as_admin):
     for ref in refs:
         if ref.startswith("/static/"):
             assert as_admin.get(ref).status_code == 200, ref
+
+
+def test_a_form_larger_than_the_service_takes_is_a_400_page_not_a_500(as_member, settings):
+    resp = as_member.submit("/submit/", {"mode": "paste", "spec": "x" * (settings.WHALEZEN_MAX_BODY_BYTES + 10)})
+    assert resp.status_code == 400
+    assert "larger than the service accepts" in text_of(resp)

@@ -18,10 +18,27 @@
     var old = charts.get(canvas);
     if (old) old.destroy();
     var datasets = data.datasets || [{label: canvas.dataset.label || "", data: data.values}];
+    var anything = datasets.some(function (set) {
+      return (set.data || []).some(function (v) { return Number(v) !== 0; });
+    });
+    var empty = canvas.parentNode.querySelector(".chart-empty");
+    if (!anything) {  // an empty chart reads as broken: say there is nothing to draw instead
+      canvas.hidden = true;
+      if (!empty) {
+        empty = document.createElement("p");
+        empty.className = "muted chart-empty";
+        empty.textContent = canvas.dataset.empty || "Nothing to chart for this period.";
+        canvas.parentNode.insertBefore(empty, canvas);
+      }
+      return;
+    }
+    canvas.hidden = false;
+    if (empty) empty.remove();
     datasets.forEach(function (set, i) {
       var color = palette[i % palette.length];
       set.backgroundColor = set.backgroundColor || (canvas.dataset.chart === "doughnut" ? palette : color);
       set.borderColor = set.borderColor || color;
+      set.maxBarThickness = set.maxBarThickness || 56;
     });
     var stacked = canvas.dataset.stacked === "true";
     charts.set(canvas, new Chart(canvas, {
