@@ -42,6 +42,9 @@ def test_submit_watch_explain_cancel_migrate_and_pay(open_session, passwords, ac
     page.get_by_label("Name", exact=True).fill("bad gpus")
     page.get_by_label("Command", exact=True).fill("python train.py")
     page.get_by_label("GPUs per node").fill("0")
+    page.get_by_label("GPUs per node").blur()
+    # The live quote answers 400 with the reason, and the page shows it (a 4xx is swapped in).
+    page.locator(".quote").get_by_text("Not quotable yet").wait_for()
     page.locator("form").filter(has=page.get_by_label("Name", exact=True)).get_by_role(
         "button", name="Submit job").click()
     assert page.locator("[aria-invalid=true]").count() >= 1

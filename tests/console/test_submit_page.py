@@ -172,8 +172,8 @@ def test_the_quote_says_why_a_spec_cannot_be_placed_or_is_wrong(acme, as_member)
     big = as_member.submit("/submit/quote/", {"mode": "form", "command": "x", "gpus": "16"}, **HX)
     assert big.status_code == 200 and "cannot be placed now" in text_of(big) and "INSUFFICIENT_GPUS" in text_of(big)
     bad = as_member.submit("/submit/quote/", {"mode": "form", "command": "x", "gpus": "0"}, **HX)
-    # 200 for htmx, which would not swap a 400 and leave the last price on screen; 400 for other callers.
-    assert bad.status_code == 200 and "Not quotable yet" in text_of(bad)
+    # A 400, which the page swaps in (base.html's htmx responseHandling): no stale price stays on screen.
+    assert bad.status_code == 400 and "Not quotable yet" in text_of(bad)
     assert "GPUs per node : Ensure this value is greater than or equal to 1." in text_of(bad)
     assert as_member.submit("/submit/quote/", {"mode": "form", "command": "x", "gpus": "0"}).status_code == 400
     pasted = as_member.submit("/submit/quote/", {"mode": "paste", "spec": "a: &x 1\nb: *x"}, **HX)

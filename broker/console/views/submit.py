@@ -129,11 +129,8 @@ def _labelled(errors: Any, form: SubmitForm | None) -> list[tuple[str, str]]:
 def quote_fragment(request: HttpRequest) -> HttpResponse:
     """The live quote: what the submit form (or the pasted spec) would cost, and where, right now."""
     def fragment(status: int = 200, **context: Any) -> HttpResponse:
-        # htmx 2 does not swap a 4xx answer under the default responseHandling (base.html keeps it), and
-        # the last price would then stay on screen beside a form that no longer gets it: htmx's own
-        # poll is told what is wrong with a 200; any other caller gets the 400 (or 429) it deserves.
-        if request.htmx and status in (400, 429):
-            status = 200
+        # A 400 (or 429) is swapped in like a price (base.html's htmx responseHandling), so the last
+        # price never stays on screen beside a form that no longer gets it.
         return render(request, "console/partials/quote.html", context, status=status)
 
     refused = _throttled(request, QuoteThrottle())
