@@ -222,8 +222,12 @@ def attach_errors(form: forms.Form, detail: Any) -> None:
 
 
 def form_spec(form: SubmitForm) -> dict[str, Any] | None:
-    """The spec of a bound form, or None with the error on `command` when it cannot be split."""
-    form.is_valid()  # lenient fields: this only fills cleaned_data, the API's serializer judges
+    """The spec of a bound form, or None with the errors on the form (a command that cannot be split, a
+    value no field may hold)."""
+    # The fields are lenient (the API's serializer judges the values); Django refuses only what no field
+    # may hold, such as a NUL character, and such a field is missing from cleaned_data: say so, build nothing.
+    if not form.is_valid():
+        return None
     try:
         return form.spec()
     except ValueError as exc:  # shlex: "No closing quotation", "No escaped character"

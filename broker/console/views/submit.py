@@ -146,7 +146,8 @@ def quote_fragment(request: HttpRequest) -> HttpResponse:
         form = SubmitForm(request.POST, gpu_model_names=catalog.names)
         spec = form_spec(form)
         if spec is None:
-            return fragment(400, errors=[("command", e) for e in form.errors.get("command", [])])
+            return fragment(400, errors=[(str(form.fields[name].label) if name in form.fields else "", e)
+                                         for name, errs in form.errors.items() for e in errs])
         spec["name"] = spec.get("name") or QUOTE_NAME
     validated, errors = _validate(spec, catalog)
     if errors is not None:
