@@ -1,5 +1,7 @@
 from django.contrib import admin
+from django.templatetags.static import static
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from broker.api.health import healthz
@@ -19,6 +21,8 @@ urlpatterns = [
                                                      authentication_classes=[]), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema", permission_classes=[],
                                                     authentication_classes=[]), name="api-redoc"),
+    # Browsers ask for /favicon.ico whatever a page links: the console's icon, not a 404.
+    path("favicon.ico", RedirectView.as_view(url=static("console/whalezen.svg"), permanent=True)),
     # The web console (broker/console/): "/" is its dashboard.
     path("", include("broker.console.urls")),
 ]

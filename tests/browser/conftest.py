@@ -18,6 +18,7 @@ from tests.broker.conftest import _fresh_cache, acme, globex, gpu_models  # noqa
 CHROMIUM = os.environ.get("WHALEZEN_CHROMIUM", "/usr/bin/chromium")
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
 PASSWORD = "console-test-pass"
+ASSET_TYPES = {"script", "stylesheet", "image", "font", "media", "manifest", "other"}
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +52,9 @@ class Session:
         self.page.on("pageerror", lambda exc: self.console_errors.append(str(exc)))
         self.outside_requests: list[str] = []
         self.page.on("request", self._watch)
+        # A page's or an htmx request's 4xx is an answer (a form's errors); an asset that fails is a fault.
+        self.page.on("response", lambda r: r.status >= 400 and r.request.resource_type in ASSET_TYPES
+                     and self.console_errors.append(f"{r.status} {r.url}"))
 
     def _console(self, msg) -> None:
         # A 4xx page is the console's answer to a bad form (a 400 with the errors next to the fields);
