@@ -97,3 +97,10 @@ def test_a_form_larger_than_the_service_takes_is_a_400_page_not_a_500(as_member,
     resp = as_member.submit("/submit/", {"mode": "paste", "spec": "x" * (settings.WHALEZEN_MAX_BODY_BYTES + 10)})
     assert resp.status_code == 400
     assert "larger than the service accepts" in text_of(resp)
+
+
+@pytest.mark.parametrize("path", ["/", "/jobs/", "/submit/", "/nodes/", "/costs/", "/team/"])
+def test_no_template_syntax_reaches_the_page(as_admin, path):
+    """A comment or tag the template engine did not take (a multi-line {# #}) shows as text to users."""
+    text = text_of(as_admin.get(path))
+    assert not re.search(r"\{[#%{]|[#%}]\}", text), re.search(r".{0,60}(\{[#%{]|[#%}]\}).{0,60}", text).group(0)
