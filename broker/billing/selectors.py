@@ -41,16 +41,18 @@ def consistent_read() -> Iterator[None]:
         yield
 
 
-def live_lines(*, tenant: Tenant, start: date, end: date, now: datetime, user: str | None = None) -> list[Line]:
-    """Lines of days [start, end) not stored yet, charged to `tenant` (of `user` only, when given)."""
+def live_lines(*, tenant: Tenant, start: date, end: date, now: datetime, user: str | None = None,
+               job_id: int | None = None) -> list[Line]:
+    """Lines of days [start, end) not stored yet, charged to `tenant` (of `user` only, of one job only,
+    when given: a job has no idle lines)."""
     from broker.billing.services import open_allocations, open_instances
 
     lines: list[Line] = []
-    for alloc in open_allocations(tenant_id=tenant.pk, until=now):
+    for alloc in open_allocations(tenant_id=tenant.pk, until=now, job_id=job_id):
         if alloc.released_at is not None and alloc.released_at.date() < start:
             continue
         lines += allocation_lines(alloc, getattr(alloc, "meter", None), until=now)
-    if user is None:
+    if user is None and job_id is None:
         for instance in open_instances(until=now):
             if instance.terminated_at is not None and instance.terminated_at.date() < start:
                 continue
@@ -62,10 +64,12 @@ def live_lines(*, tenant: Tenant, start: date, end: date, now: datetime, user: s
     return [ln for ln in lines if ln.key not in stored]
 
 
-def _stored(*, tenant: Tenant, start: date, end: date, user: str | None):
+def _stored(*, tenant: Tenant, start: date, end: date, user: str | None, job_id: int | None = None):
     qs = UsageRecord.objects.filter(tenant=tenant, day__gte=start, day__lt=end)
     if user is not None:
         qs = qs.filter(user=user)
+    if job_id is not None:
+        qs = qs.filter(job_id=job_id)
     return qs
 
 
@@ -74,7 +78,7 @@ def _row_key(values: dict, group_by: list[str], tenant_slug: str) -> tuple:
 
 
 def cost_report(*, tenant: Tenant, start: date, end: date, group_by: list[str], user: str | None = None,
-                now: datetime | None = None) -> list[dict]:
+                now: datetime | None = None, job_id: int | None = None) -> list[dict]:
     """Rows of {keys..., gpu_hours, cost, idle_gpu_hours, idle_cost, avg_gpu_utilisation} for days
     [start, end). `cost` includes idle cost; `gpu_hours` are GPU-hours held by jobs; the utilisation is
     the GPU-hour-weighted mean of the lines that have readings (null when none has)."""
@@ -86,7 +90,7 @@ def cost_report(*, tenant: Tenant, start: date, end: date, group_by: list[str], 
     money = DecimalField(max_digits=18, decimal_places=2)
     rows: dict[tuple, dict] = {}
     with consistent_read():
-        stored = (_stored(tenant=tenant, start=start, end=end, user=user).values(*fields)
+        stored = (_stored(tenant=tenant, start=start, end=end, user=user, job_id=job_id).values(*fields)
                   .annotate(gs=Sum("gpu_seconds", filter=usage), cost=Sum("amount_usd", output_field=money),
                             idle_gs=Sum("gpu_seconds", filter=idle),
                             idle_cost=Sum("amount_usd", filter=idle, output_field=money),
@@ -99,7 +103,7 @@ def cost_report(*, tenant: Tenant, start: date, end: date, group_by: list[str], 
             rows[key] = {"gs": values["gs"] or Decimal(0), "cost": values["cost"] or ZERO,
                          "idle_gs": values["idle_gs"] or Decimal(0), "idle_cost": values["idle_cost"] or ZERO,
                          "util_w": values["util_w"] or 0.0, "util_gs": float(values["util_gs"] or 0)}
-        live = live_lines(tenant=tenant, start=start, end=end, now=now, user=user)
+        live = live_lines(tenant=tenant, start=start, end=end, now=now, user=user, job_id=job_id)
     for ln in live:
         attrs = {"tenant__slug": tenant.slug, **{f: getattr(ln, f) for f in fields if f != "tenant__slug"}}
         key = tuple(attrs[f] for f in fields)

@@ -138,11 +138,13 @@ def lines_store(lines: list[Line], outcome: MeterOutcome) -> None:
             outcome.written += UsageRecord.objects.filter(tenant_id=tenant_id, month=month).count() - before
 
 
-def open_allocations(*, tenant_id: int | None = None, until: datetime | None = None):
+def open_allocations(*, tenant_id: int | None = None, until: datetime | None = None, job_id: int | None = None):
     """Allocations whose lines are not all stored yet (no meter, or a meter not complete)."""
     qs = allocations_for_billing().filter(Q(meter__isnull=True) | Q(meter__complete=False))
     if tenant_id is not None:
         qs = qs.filter(job__tenant_id=tenant_id)
+    if job_id is not None:
+        qs = qs.filter(job_id=job_id)
     if until is not None:
         qs = qs.filter(created_at__lt=until)
     return qs.select_related("meter")

@@ -153,3 +153,13 @@ def test_a_visitor_is_sent_to_log_in(db):
     for path in ("/costs/", "/costs/export.csv", "/costs/statements/2026-11/"):
         resp = Browser().get(path)
         assert resp.status_code == 302 and resp.url.startswith("/login/"), path
+
+
+def test_one_jobs_cost_is_its_row_of_the_teams_report(acme, week):
+    """The job page asks billing for one job's lines only (job_id): the same figures as the team's report."""
+    by_job = {row["job"]: row for row in _report(acme, ["job"]) if row["job"] != "__idle__"}
+    assert len(by_job) >= 2
+    for job_id, row in by_job.items():
+        (alone,) = cost_report(tenant=acme.tenant, start=date(2026, 11, 1), end=date(2026, 12, 1),
+                               group_by=["job"], job_id=job_id)
+        assert alone == row

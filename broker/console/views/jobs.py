@@ -132,7 +132,8 @@ def _cost(request: HttpRequest, job: Job) -> dict[str, Any] | None:
         return None
     today = timezone.now().date()
     rows = cost_report(tenant=console.tenant, start=job.created_at.date(), end=today + timedelta(days=1),
-                       group_by=["job"], user=None if console.is_admin else request.user.get_username())
+                       group_by=["job"], user=None if console.is_admin else request.user.get_username(),
+                       job_id=job.pk)  # this job's lines only, not the team's whole period on every poll
     row = next((r for r in rows if r["job"] == job.pk), None)
     return row or {"cost": "0.00", "gpu_hours": 0.0, "avg_gpu_utilisation": None}
 
