@@ -21,21 +21,22 @@ PASSWORD = "console-test-pass"
 ASSET_TYPES = {"script", "stylesheet", "image", "font", "media", "manifest", "other"}
 
 
-@pytest.fixture(scope="session")
-def chromium():
+@pytest.fixture
+def chromium(monkeypatch):
+    """A headless Chromium for one test. Per test, not per session: while Playwright's sync API runs, an
+    event loop is running in this thread, so Django refuses ORM calls (SynchronousOnlyOperation) unless
+    DJANGO_ALLOW_ASYNC_UNSAFE is set, as Playwright's Django guide does. pytest-django runs other
+    live-server tests after these, and a session-long loop and variable leaked into them (a subprocess's
+    `check --deploy` refused the variable): both end with the test."""
     if not shutil.which(CHROMIUM):
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)")
     playwright_sync = pytest.importorskip("playwright.sync_api")
-    # Playwright's sync API keeps an event loop running in this thread, and Django then refuses ORM
-    # calls from it (SynchronousOnlyOperation) although they are plain synchronous calls: allowed for
-    # the browser tests only, as Playwright's own Django guide does, and put back after them.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     with playwright_sync.sync_playwright() as pw:
         # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         yield browser
         browser.close()
-    os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
 
 
 class Session:
