@@ -1,7 +1,7 @@
 """The console's pages (templates in the top-level templates/console/)."""
 from django.urls import path
 
-from broker.console.views import auth, dashboard
+from broker.console.views import auth, costs, dashboard, jobs, nodes, submit, team
 
 app_name = "console"
 
@@ -10,12 +10,7 @@ urlpatterns = [
     path("login/", auth.LoginView.as_view(), name="login"),
     path("logout/", auth.LogoutView.as_view(), name="logout"),
     path("team/switch/", auth.team_switch, name="team-switch"),
-]
-
-# Jobs, the job page and its actions, submit and its live quote (views/jobs.py, views/submit.py).
-from broker.console.views import jobs, submit  # noqa: E402
-
-urlpatterns += [
+    # Jobs, the job page and its actions, submit and its live quote (views/jobs.py, views/submit.py).
     path("jobs/", jobs.jobs_list, name="jobs"),
     path("jobs/<int:pk>/", jobs.job_page, name="job"),
     path("jobs/<int:pk>/cancel/", jobs.job_cancel, name="job-cancel"),
@@ -23,12 +18,7 @@ urlpatterns += [
     path("jobs/<int:pk>/migrate/", jobs.job_migrate, name="job-migrate"),
     path("submit/", submit.submit_page, name="submit"),
     path("submit/quote/", submit.quote_fragment, name="submit-quote"),
-]
-
-# Nodes, costs (CSV, statements) and the team page (views/nodes.py, views/costs.py, views/team.py).
-from broker.console.views import costs, nodes, team  # noqa: E402
-
-urlpatterns += [
+    # Nodes, costs (CSV, statements) and the team page (views/nodes.py, views/costs.py, views/team.py).
     path("nodes/", nodes.nodes, name="nodes"),
     path("costs/", costs.costs, name="costs"),
     path("costs/export.csv", costs.costs_csv, name="costs-csv"),
