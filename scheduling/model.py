@@ -74,6 +74,9 @@ class NodeState:
     # Teams (tenants) that may run here: the owner of the node's pool and the teams it is shared
     # with. Empty = every team (a snapshot of one team's own nodes, the simulators).
     tenants: tuple[str, ...] = ()
+    # Container runtimes on the node (podman, docker, apptainer); a job with an image runs only
+    # where there is one.
+    container_runtimes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +160,12 @@ class JobDemand:
     # Share of each GPU (1000 = whole). Below 1000 only valid with gpus == 1 on one node.
     gpu_milli: int = WHOLE_GPU_MILLI
     allowed_models: tuple[str, ...] = ()
+    # Alternatives with their own counts, ((model, GPUs for the whole job), ...): SkyPilot's
+    # {L4:8, A100-80GB:2}. A model listed here takes its own count instead of `gpus`; `gpus` is
+    # then the smallest of them (what explanations and quotas read first).
+    gpus_by_model: tuple[tuple[str, int], ...] = ()
+    # The job runs a container image: only nodes with a container runtime can take it.
+    needs_container: bool = False
     min_gpu_memory_mb: int = 0
     interconnect: Interconnect = "any"
     nodes: int = 1
@@ -184,6 +193,10 @@ class JobDemand:
         if self.gpus <= 0 and self.compute_units is None:
             return 0
         if self.compute_units is None:
+            if self.gpus_by_model and model is not None:
+                for name, count in self.gpus_by_model:
+                    if name == model.name:
+                        return count
             return self.gpus
         rating = model.cu_rating if model is not None and model.cu_rating > 0 else 1.0
         count = max(1, math.ceil(self.compute_units / rating - 1e-9))

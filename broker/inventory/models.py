@@ -114,6 +114,11 @@ class Node(models.Model):
     pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="nodes")
     name = models.CharField(max_length=200)
     hostname = models.CharField(max_length=255, blank=True)
+    # Where the node's peers reach it (a multi-node gang's WHALEZEN_NODE_IPS / MASTER_ADDR): the
+    # agent's --advertise-address, else the address its registration came from.
+    address = models.CharField(max_length=255, blank=True)
+    # Container runtimes the agent found (podman, docker, apptainer): image jobs go only where one is.
+    container_runtimes = models.JSONField(default=list, blank=True)
     state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.ONLINE)
     cpu_milli = models.PositiveIntegerField(default=0)
     memory_mb = models.PositiveIntegerField(default=0)

@@ -29,6 +29,9 @@ class Job(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
     name = models.CharField(max_length=200)
     spec = models.JSONField()
+    # Secret env values (SkyPilot `secrets`): handed to the job's processes, never shown in the spec,
+    # events or logs.
+    secret_env = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.PENDING)
     priority = models.IntegerField(default=50)
     preemptible = models.BooleanField(default=False)
@@ -38,6 +41,9 @@ class Job(models.Model):
     gpu_milli = models.PositiveIntegerField(default=1000, help_text="Share of each GPU, 1000 = whole")
     compute_units = models.DecimalField(max_digits=10, decimal_places=3, null=True, blank=True)
     gpu_models = models.JSONField(default=list, blank=True)
+    # Accelerator alternatives with their own counts, {model: GPUs per node} (SkyPilot's
+    # {L4:8, A100-80GB:2}); empty when every allowed model takes gpu_count.
+    gpu_alternatives = models.JSONField(default=dict, blank=True)
     min_gpu_memory_gb = models.PositiveIntegerField(default=0)
     interconnect = models.CharField(max_length=8, choices=Interconnect.choices, default=Interconnect.ANY)
     node_count = models.PositiveIntegerField(default=1)

@@ -46,11 +46,14 @@ def job_demand(job: Job) -> sm.JobDemand:
     return sm.JobDemand(
         job_id=str(job.pk),
         tenant=job.tenant.slug,
-        gpus=job.gpu_count * job.node_count,
+        gpus=job.gpu_count * job.node_count,  # with alternatives, the smallest of their counts
         compute_units=float(job.compute_units) if job.compute_units is not None else None,
         # A share is held in whole slots (Gpu.slots_for): the engine sees what the commit will take.
         gpu_milli=min(1000, Gpu.slots_for(job.gpu_milli) * MILLI_PER_SLOT) if job.gpu_milli > 0 else 0,
         allowed_models=tuple(job.gpu_models),
+        gpus_by_model=tuple(sorted((model, count * job.node_count)
+                                   for model, count in (job.gpu_alternatives or {}).items())),
+        needs_container=bool((job.spec or {}).get("image")),
         min_gpu_memory_mb=job.min_gpu_memory_gb * 1024,
         interconnect=job.interconnect,
         nodes=job.node_count,
@@ -132,6 +135,7 @@ def component_snapshot(*, tenants: list[Tenant], seed: int = 0, now: datetime | 
             fast_fabric=fabric in FAST_FABRIC_LABELS,
             rented=node.pool.kind != PoolKind.ONPREM,
             tenants=teams_of_pool.get(node.pool_id, (node.pool.tenant.slug,)),
+            container_runtimes=tuple(node.container_runtimes or ()),
         ))
 
     latest_checkpoint: dict[int, datetime] = {}
