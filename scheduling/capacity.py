@@ -64,7 +64,10 @@ class NodeCapacity:
         return (
             node.provider, node.region, node.pool, node.fast_fabric, node.price_per_gpu_hour,
             node.state, self.schedulable, canonical, self.free_cpu, self.free_mem, node.rented,
-            tuple(sorted(node.tenants)),
+            tuple(sorted(node.tenants)), tuple(sorted(node.container_runtimes)),
+            # Labels only matter to jobs with a node selector, but a shape must not mix nodes
+            # that such a job would tell apart.
+            tuple(sorted(node.labels.items())),
         )
 
     # ---------------------------------------------------------------------------- GPU choice

@@ -129,6 +129,8 @@ class CloudOffer:
     launch_group: str = ""
     # Teams that may rent through this offer's account; empty = every team.
     tenants: tuple[str, ...] = ()
+    # Container runtimes the account's machine image has (the pool says); empty = none.
+    container_runtimes: tuple[str, ...] = ()
 
     @property
     def has_spot(self) -> bool:
@@ -166,6 +168,8 @@ class JobDemand:
     gpus_by_model: tuple[tuple[str, int], ...] = ()
     # The job runs a container image: only nodes with a container runtime can take it.
     needs_container: bool = False
+    # Node labels a node must carry, ((key, value), ...) (Kubernetes nodeSelector); empty = any node.
+    node_selector: tuple[tuple[str, str], ...] = ()
     min_gpu_memory_mb: int = 0
     interconnect: Interconnect = "any"
     nodes: int = 1
@@ -346,6 +350,8 @@ class ReasonCode(str, Enum):
     WAITING_FOR_DEFRAGMENTATION = "WAITING_FOR_DEFRAGMENTATION"  # small jobs are being moved
     INVALID_DEMAND = "INVALID_DEMAND"  # the demand cannot be satisfied by any shape (e.g. 0 GPUs)
     SOLVER_LIMIT = "SOLVER_LIMIT"  # the cycle ran out of time before considering the job
+    NODE_SELECTOR = "NODE_SELECTOR"  # no node carries the labels the job's node selector asks for
+    NO_CONTAINER_RUNTIME = "NO_CONTAINER_RUNTIME"  # an image job, and no fit has a container runtime
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,6 +461,8 @@ DEFAULT_FILTERS: tuple[str, ...] = (
     "node_ready",
     "pool_access",
     "provider_region",
+    "node_selector",
+    "container_runtime",
     "gpu_model",
     "gpu_memory",
     "gpu_count",

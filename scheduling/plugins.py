@@ -71,6 +71,15 @@ def _provider_region(job: JobDemand, part: PartDemand, target: Target, ctx: Filt
     return (not job.providers or node.provider in job.providers) and (not job.regions or node.region in job.regions)
 
 
+def _node_selector(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    labels = target.node.labels
+    return all(labels.get(key) == value for key, value in job.node_selector)
+
+
+def _container_runtime(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    return not job.needs_container or bool(target.node.container_runtimes)
+
+
 def _gpu_model(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
     if part.gpus == 0 or not part.allowed_models:
         return True
@@ -175,6 +184,12 @@ FILTERS: dict[str, FilterPlugin] = {plugin.name: plugin for plugin in (
     FilterPlugin("provider_region", ReasonCode.PROVIDER_REGION, _provider_region,
                  lambda job, n: f"{n} are outside providers {list(job.providers) or 'any'} "
                                 f"/ regions {list(job.regions) or 'any'}"),
+    FilterPlugin("node_selector", ReasonCode.NODE_SELECTOR, _node_selector,
+                 lambda job, n: f"{n} lack the labels "
+                                f"{', '.join(f'{k}={v}' for k, v in job.node_selector)}"),
+    FilterPlugin("container_runtime", ReasonCode.NO_CONTAINER_RUNTIME, _container_runtime,
+                 lambda job, n: f"{n} have no container runtime (podman, docker or apptainer) for the "
+                                "job's image"),
     FilterPlugin("gpu_model", ReasonCode.NO_GPU_MODEL, _gpu_model,
                  lambda job, n: f"{n} have no {'|'.join(job.allowed_models)} GPU"),
     FilterPlugin("gpu_memory", ReasonCode.INSUFFICIENT_GPU_MEMORY, _gpu_memory,

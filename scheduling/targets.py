@@ -70,7 +70,7 @@ def offer_node(offer: CloudOffer, spot: bool) -> NodeState:
         free_cpu_milli=offer.vcpus * 1000, free_memory_mb=offer.memory_mb,
         pool=f"{offer.provider}:{offer.region}", provider=offer.provider, region=offer.region,
         price_per_gpu_hour=offer_price(offer, spot) / max(1, offer.gpu_count), fast_fabric=offer.fast_fabric,
-        tenants=offer.tenants,
+        tenants=offer.tenants, container_runtimes=offer.container_runtimes,
     )
 
 

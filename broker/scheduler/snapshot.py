@@ -54,6 +54,8 @@ def job_demand(job: Job) -> sm.JobDemand:
         gpus_by_model=tuple(sorted((model, count * job.node_count)
                                    for model, count in (job.gpu_alternatives or {}).items())),
         needs_container=bool((job.spec or {}).get("image")),
+        node_selector=tuple(sorted((str(k), str(v)) for k, v in
+                                   ((job.spec or {}).get("placement", {}).get("node_selector") or {}).items())),
         min_gpu_memory_mb=job.min_gpu_memory_gb * 1024,
         interconnect=job.interconnect,
         nodes=job.node_count,
