@@ -17,6 +17,7 @@ from pathlib import Path
 
 from agent import AGENT_VERSION
 from agent.backends import FakeSpecError, GpuBackendUnavailable, open_backend
+from agent.gang import address_problem
 from agent.host import hostname
 from agent.jointoken import JoinTokenError, read_join_token, reexec_without_token
 from agent.selffence import DEFAULT_FENCE_AFTER_S
@@ -83,6 +84,15 @@ def _run_parser() -> argparse.ArgumentParser:
                         help="serve the GPUs' readings for Prometheus under DCGM exporter names here (env "
                         "WHALEZEN_AGENT_METRICS_LISTEN; default 127.0.0.1:0, any free port on loopback; "
                         "0.0.0.0:9400 where Prometheus scrapes from elsewhere, dcgm-exporter's port; off: none)")
+    parser.add_argument("--advertise-address", metavar="ADDR", default=None,
+                        help="IP address or DNS name the other nodes of a multi-node job reach this node at "
+                        "(MASTER_ADDR, WHALEZEN_NODE_IPS); default: the address the broker sees this agent's "
+                        "registration come from")
+    parser.add_argument("--container-runtime", metavar="auto|none|NAME[,NAME]",
+                        default=os.environ.get("WHALEZEN_AGENT_CONTAINER_RUNTIMES", "auto"),
+                        help="how jobs with an image run (env WHALEZEN_AGENT_CONTAINER_RUNTIMES): auto (default) "
+                        "finds podman, docker, apptainer or singularity on PATH; none refuses image jobs; names "
+                        "pin those, first preferred")
     parser.add_argument("--log-level", default=os.environ.get("WHALEZEN_AGENT_LOG_LEVEL", "INFO"))
     return parser
 
@@ -165,6 +175,8 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("--metadata-url needs --spot-notice", EXIT_USAGE)
     if args.delete_join_token_file and not args.join_token_file:
         return _fail("--delete-join-token-file needs --join-token-file", EXIT_USAGE)
+    if args.advertise_address is not None and (why := address_problem(args.advertise_address)):
+        return _fail(f"--advertise-address {args.advertise_address[:80]!r} {why}", EXIT_USAGE)
     try:
         metrics_listen = _listen(args.metrics_listen)
     except ValueError as err:
@@ -192,6 +204,8 @@ def _run(args: argparse.Namespace) -> int:
         spot_notice=args.spot_notice,
         metadata_url=args.metadata_url,
         metrics_listen=metrics_listen,
+        advertise_address=args.advertise_address,
+        container_runtimes=args.container_runtime,
     )
     try:
         agent = Agent(config, backend)

@@ -23,13 +23,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.gang import GANG_ENV, Gang
 from agent.isolation import JobUser, job_home, make_job_dir, prepare_work_root, resolve_job_user
 from agent.procs import catches_signal
+from agent.runtimes import (ImageInvalid, Runtime, container_command, container_name, image_reference,
+                            remove_container)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ RESERVED_ENV = (
     "WHALEZEN_CHECKPOINT_REQUEST_FILE",
     "WHALEZEN_WORK_DIR",
     "WHALEZEN_RESTORE_FROM",
+    *GANG_ENV,  # rank, peers, MASTER_ADDR/PORT (agent/gang.py)
 )
 # Never handed to jobs: the agent's own secrets and GPU selection.
 _AGENT_ONLY_ENV_PREFIXES = ("WHALEZEN_",)
@@ -79,6 +83,11 @@ class Assignment:
     # The checkpoint the broker verified and committed for this job: None when the broker said
     # nothing (older broker), "" when it has none (start from scratch), else that directory's URI.
     restore_from: str | None = None
+    # The job's place in its gang (a single-node job is a gang of one); None from a broker that
+    # predates it, and then no gang variables are set.
+    gang: Gang | None = None
+    # The container image the job runs in (agent/runtimes.py), checked; None: it runs on the host.
+    image: str | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> "Assignment":
@@ -104,9 +113,15 @@ class Assignment:
         gpu_milli = data.get("gpu_milli", 1000)
         if not isinstance(gpu_milli, int) or not 0 < gpu_milli <= 1000:
             raise AssignmentInvalid("gpu_milli must be a whole number from 1 to 1000")
+        try:
+            image = None if data.get("image") in (None, "") else image_reference(data["image"])
+        except ImageInvalid as err:
+            raise AssignmentInvalid(str(err)) from None
         command = data.get("command")
         if isinstance(command, list) and command and all(isinstance(c, str) for c in command):
             command = tuple(command)
+        elif image is not None and command in (None, []):
+            command = ()  # the image's own entrypoint
         elif not (isinstance(command, str) and command.strip()) and action == "start":
             raise AssignmentInvalid("command must be a non-empty argv list or shell string")
         restore_from = data.get("restore_from")
@@ -115,6 +130,10 @@ class Assignment:
         env = data.get("env") or {}
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise AssignmentInvalid("env must map names to string values")
+        try:
+            gang = None if data.get("gang") is None else Gang.from_json(data["gang"])
+        except ValueError as err:
+            raise AssignmentInvalid(str(err)) from None
         return cls(
             id=assignment_id,
             job_id=job_id,
@@ -128,6 +147,8 @@ class Assignment:
             checkpoint_uri=data.get("checkpoint_uri") or None,
             checkpoint_request_id=None if data.get("checkpoint_request_id") is None else str(data["checkpoint_request_id"]),
             restore_from=restore_from,
+            gang=gang,
+            image=image,
         )
 
 
@@ -155,6 +176,7 @@ class RunningJob:
     stop_code: str | None = None
     kill_at: float | None = None
     checkpoint_requests: list[str] = field(default_factory=list)
+    container: str | None = None  # the podman/docker container's name: a stop must end it, not only its client
 
     @property
     def pid(self) -> int:
@@ -168,7 +190,7 @@ def job_environment(
     env = {
         k: v
         for k, v in base_env.items()
-        if not k.startswith(_AGENT_ONLY_ENV_PREFIXES) and k not in _AGENT_ONLY_ENV
+        if not k.startswith(_AGENT_ONLY_ENV_PREFIXES) and k not in _AGENT_ONLY_ENV and k not in GANG_ENV
     }
     for key, value in assignment.env.items():
         if key in RESERVED_ENV:
@@ -196,6 +218,8 @@ def job_environment(
         env["WHALEZEN_CHECKPOINT_URI"] = assignment.checkpoint_uri
     if assignment.restore_from is not None:  # "" too: "nothing committed" is an instruction as well
         env["WHALEZEN_RESTORE_FROM"] = assignment.restore_from
+    if assignment.gang is not None:
+        env.update(assignment.gang.environment())
     return env
 
 
@@ -208,8 +232,10 @@ class JobRunner:
         stop_grace_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         job_user: JobUser | None = None,
+        runtimes: Sequence[Runtime] = (),
     ) -> None:
         self.jobs_dir = Path(jobs_dir)
+        self.runtimes = tuple(runtimes)  # image jobs run through the first (agent/runtimes.py)
         self.job_user = job_user or resolve_job_user(None)
         self._root_ready = False
         self.base_env = dict(os.environ if base_env is None else base_env)
@@ -244,6 +270,9 @@ class JobRunner:
         env = job_environment(assignment, workdir=workdir, node_id=node_id, base_env=self.base_env,
                               user=self.job_user)
         argv = ["/bin/sh", "-c", assignment.command] if isinstance(assignment.command, str) else list(assignment.command)
+        as_job_user, container = True, None
+        if assignment.image is not None:
+            argv, env, as_job_user, container = self._container(assignment, argv, env, workdir)
         status_r, status_w = os.pipe()
         try:
             # O_NOFOLLOW: the folder is the job user's; never write through a link it left there.
@@ -254,7 +283,7 @@ class JobRunner:
             raise JobStartError(f"cannot open the job's log: {err.strerror or err}") from None
         try:
             process = subprocess.Popen(
-                self._shim_argv(status_w, argv),
+                self._shim_argv(status_w, argv, as_job_user=as_job_user),
                 cwd=workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -273,16 +302,54 @@ class JobRunner:
             main_pid = self._await_shim(process, status_r, argv)
         finally:
             os.close(status_r)
-        job = RunningJob(assignment=assignment, process=process, workdir=workdir, main_pid=main_pid)
+        job = RunningJob(assignment=assignment, process=process, workdir=workdir, main_pid=main_pid,
+                         container=container)
         self._running[assignment.id] = job
-        log.info("assignment %s: started pid %d (group %d) as %s on GPUs %s", assignment.id, main_pid, process.pid,
-                 self.job_user.name, env["CUDA_VISIBLE_DEVICES"])
+        log.info("assignment %s: started pid %d (group %d) as %s on GPUs %s%s", assignment.id, main_pid, process.pid,
+                 self.job_user.name, ",".join(map(str, assignment.gpu_indices)),
+                 f" in image {assignment.image} ({argv[0]})" if assignment.image else "")
         return job
 
-    def _shim_argv(self, status_fd: int, argv: list[str]) -> list[str]:
+    def _container(self, assignment: Assignment, argv: list[str], env: dict[str, str], workdir: Path
+                   ) -> tuple[list[str], dict[str, str], bool, str | None]:
+        """The runtime's argv for an image job, its client's env, whether the client runs as the job
+        user, and the container's name. Never the host: no runtime is a JobStartError."""
+        if not self.runtimes:
+            raise JobStartError(f"the job runs in image {assignment.image}, and this node has no container runtime "
+                                "(podman, docker or apptainer)")
+        host = {k: v for k, v in self.base_env.items()
+                if not k.startswith(_AGENT_ONLY_ENV_PREFIXES) and k not in _AGENT_ONLY_ENV}
+        # The job's own variables are what job_environment added or changed, less who the job user is
+        # on the host (HOME, USER, LOGNAME mean nothing inside an image).
+        job_env = {k: v for k, v in env.items() if k in assignment.env or (
+            host.get(k) != v and k not in ("HOME", "USER", "LOGNAME"))}
+        runtime = self.runtimes[0]
+        client = dict(host)
+        if runtime.name in ("apptainer", "singularity"):  # it runs as the job user: its HOME, not the agent's
+            client.update({k: env[k] for k in ("HOME", "USER", "LOGNAME") if k in env})
+        try:
+            command = container_command(
+                runtime, image=str(assignment.image), command=argv if assignment.command else [], job_env=job_env,
+                client_env=client, workdir=workdir, assignment_id=assignment.id, gpu_indices=assignment.gpu_indices,
+                gpu_uuids=assignment.gpu_uuids, uid=self.job_user.uid, gid=self.job_user.gid,
+                agent_is_root=os.geteuid() == 0)
+        except ValueError as err:
+            raise JobStartError(str(err)) from None
+        if command.name is not None:
+            remove_container(self.runtimes, command.name)  # one a crashed agent left would block the name
+        return command.argv, command.env, command.run_as_job_user, command.name
+
+    def clean_container(self, assignment_id: str) -> None:
+        """Remove the container an assignment may have left (an agent that died while it ran)."""
+        if any(r.oci for r in self.runtimes):
+            remove_container(self.runtimes, container_name(assignment_id))
+
+    def _shim_argv(self, status_fd: int, argv: list[str], *, as_job_user: bool = True) -> list[str]:
         shim = [sys.executable, "-I", "-S", str(JOBSHIM), "--parent", str(os.getpid()), "--status-fd",
                 str(status_fd), "--grace", str(self.stop_grace_s)]
-        if self.job_user.separate:
+        # docker's and rootful podman's clients are the agent's: the socket they use is root to anyone
+        # who can reach it, so the job user never gets it (the container runs as the job user).
+        if self.job_user.separate and as_job_user:
             shim += ["--uid", str(self.job_user.uid), "--gid", str(self.job_user.gid)]
         return [*shim, "--", *argv]
 
@@ -368,9 +435,13 @@ class JobRunner:
             if code is None:
                 if job.kill_at is not None and now >= job.kill_at:
                     _signal_group(job.process, signal.SIGKILL)
+                    if job.container:  # the daemon owns the container: killing its client does not end it
+                        remove_container(self.runtimes, job.container)
                 continue
             # The main process is gone; take down anything it left behind in its session.
             _signal_group(job.process, signal.SIGKILL)
+            if job.container and (job.stop_reason is not None or code < 0):
+                remove_container(self.runtimes, job.container)  # its client ended, the container may not have
             del self._running[assignment_id]
             exits.append(_exit_of(job, code))
         return exits
@@ -419,6 +490,9 @@ def _exit_of(job: RunningJob, code: int) -> JobExit:
     if code < 0:
         return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"killed by signal {_signal_name(-code)}", "signal",
                        a.gpu_indices, tail)
+    if job.container and code == 125:  # podman's and docker's own failure: the image never ran (pull, GPUs...)
+        return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"the container runtime could not run image "
+                       f"{a.image} (exit code 125; its output says why)", "exit_code", a.gpu_indices, tail)
     return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"exited with code {code}", "exit_code", a.gpu_indices,
                    tail)
 

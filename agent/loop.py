@@ -36,6 +36,7 @@ from agent.model import GpuReading, Health
 from agent.notices import NoticeWatcher
 from agent.procs import kill_orphan, process_start_ticks
 from agent.protocol import heartbeat_payload, registration_payload
+from agent.runtimes import detect as detect_runtimes, log_runtimes
 from agent.selffence import DEFAULT_FENCE_AFTER_S, SelfFence
 from agent.spot import POLL_SECONDS as SPOT_POLL_SECONDS, SpotWatcher
 from agent.state import AgentState, Identity, JobRecord, StateStore
@@ -72,6 +73,12 @@ class AgentConfig:
     # Where the DCGM-named GPU metrics are served (agent/metrics.py): (host, port), port 0 = any free
     # one; None: not served (the CLI's default is loopback, any free port).
     metrics_listen: tuple[str, int] | None = None
+    # The address a gang's peers reach this node at (--advertise-address); None: the broker uses
+    # the address the registration came from (wrong behind NAT or a proxy).
+    advertise_address: str | None = None
+    # --container-runtime: None or "auto" detects podman/docker/apptainer; "none"; or names to pin
+    # (agent/runtimes.py). What is found is what image jobs run with, and what registration reports.
+    container_runtimes: str | None = None
 
 
 class Agent:
@@ -95,8 +102,9 @@ class Agent:
         work_dir = config.work_dir or default_work_dir(config.state_dir)
         check_work_dir(work_dir, config.state_dir)  # raises ValueError: a usage error
         self.job_user = resolve_job_user(config.job_user)
+        self.runtimes = detect_runtimes(config.container_runtimes)  # raises ValueError: a usage error
         self.runner = JobRunner(work_dir, base_env=base_env, stop_grace_s=config.stop_grace_s, clock=clock,
-                                job_user=self.job_user)
+                                job_user=self.job_user, runtimes=self.runtimes)
         self.runner.prepare()
         self.backoff = Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s, rng=rng)
         self.fence = SelfFence(config.fence_after_s, clock)  # raises ValueError: a usage error
@@ -134,6 +142,7 @@ class Agent:
         self.backend.start()
         self.backend.inventory()
         log_job_isolation(self.job_user, work_dir=self.runner.jobs_dir, state_dir=self.config.state_dir)
+        log_runtimes(self.runtimes)
         # Before the first call to the broker: nothing a previous run left may keep running.
         self._fence_orphans()
         self.fence.log_setting()
@@ -285,6 +294,8 @@ class Agent:
             labels=self.config.labels or {},
             job_isolation=self.job_user.isolation,
             metrics_url=self.metrics_url,
+            address=self.config.advertise_address,
+            container_runtimes=[r.name for r in self.runtimes],
         )
         try:
             body = self.client.register(payload)
@@ -461,6 +472,10 @@ class Agent:
         if running is not None or record is not None:
             return  # already running, or already ran: never start an assignment twice
         problem, wait = self._gpu_problem(a, listed)
+        if problem is None and a.image is not None and not self.runtimes:
+            # Never on the host instead: the image is what the job needs (its libraries, its CUDA).
+            problem = ("no_container_runtime", f"the job runs in image {a.image}, and this node has no container "
+                       "runtime (podman, docker or apptainer)")
         if problem:
             self._refuse_once(a.id, a.job_id, a.epoch, problem[1], reason=problem[0])
             return
@@ -587,6 +602,7 @@ class Agent:
             if record.state != "running":
                 continue
             killed = kill_orphan(record.pid, record.pid_start_ticks, grace_s=self.config.stop_grace_s)
+            self.runner.clean_container(record.assignment_id)  # a container outlives its killed client
             # A checkpoint it wrote while no agent watched still counts; one already reported
             # before the crash is not reported again (the record keeps its manifest sha).
             self._report_checkpoint(record.assignment_id, record.job_id, record.epoch)

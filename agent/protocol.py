@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent import AGENT_VERSION
@@ -12,7 +12,8 @@ from agent.model import GpuReading, NodeInventory
 
 def registration_payload(
     *, inventory: NodeInventory, join_token: str, name: str, agent_key: str, labels: Mapping[str, str],
-    job_isolation: str = "separate-user", metrics_url: str | None = None,
+    job_isolation: str = "separate-user", metrics_url: str | None = None, address: str | None = None,
+    container_runtimes: Sequence[str] = (),
 ) -> dict[str, Any]:
     topology_by_index = {t.index: t for t in inventory.topology}
     gpus = []
@@ -35,6 +36,8 @@ def registration_payload(
         )
     inventory_json = inventory.to_json()
     extra = {"metrics_url": metrics_url} if metrics_url else {}
+    if address:  # --advertise-address; without it the broker takes the address the request came from
+        extra["address"] = address
     return {**extra,
         "join_token": join_token,
         "name": name,
@@ -46,6 +49,9 @@ def registration_payload(
         "labels": dict(labels),
         # "shared-user": jobs run as the agent's own user and could read its secrets (isolation.py).
         "job_isolation": job_isolation,
+        # podman | docker | apptainer | singularity (agent/runtimes.py): image jobs go only where one is.
+        # Always sent, [] too: a runtime removed since the last registration must be forgotten.
+        "container_runtimes": list(container_runtimes),
         "driver_version": inventory.driver_version,
         "cuda_driver_version": inventory.cuda_driver_version,
         "backend": inventory.backend,

@@ -7,6 +7,7 @@ from typing import Any
 from django.db import transaction
 
 from broker.agents.fencing import unconfirmed_copies
+from broker.agents.gang import gang_assignment, gang_parts_by_job
 from broker.inventory.models import Node
 from broker.jobs.models import Allocation, AllocationSlice
 from broker.jobs.states import JobState
@@ -62,10 +63,15 @@ def node_assignments(*, node: Node) -> dict[str, Any]:
         gpus_by_allocation: dict[int, dict[int, str]] = {}
         for piece in slices:
             gpus_by_allocation.setdefault(piece.allocation_id, {})[piece.gpu.index] = piece.gpu.uuid
-    return {"epoch": epoch, "assignments": [_assignment(a, gpus_by_allocation.get(a.pk, {})) for a in allocations]}
+        # Read in the same transaction as the allocations: every part sees the same peers.
+        parts = gang_parts_by_job({a.job_id: a.job for a in allocations}.values())
+    for allocation in allocations:
+        allocation.node = node  # the parts' own node: its address for a gang of one
+    return {"epoch": epoch, "assignments": [_assignment(a, gpus_by_allocation.get(a.pk, {}), parts.get(a.job_id, []))
+                                            for a in allocations]}
 
 
-def _assignment(allocation: Allocation, gpus: dict[int, str]) -> dict[str, Any]:
+def _assignment(allocation: Allocation, gpus: dict[int, str], parts: list[Allocation]) -> dict[str, Any]:
     job = allocation.job
     spec = job.spec or {}
     indices = sorted(gpus)
@@ -81,11 +87,14 @@ def _assignment(allocation: Allocation, gpus: dict[int, str]) -> dict[str, Any]:
         "gpu_uuids": uuids if all(u.startswith("GPU-") and "-sim-" not in u for u in uuids) and uuids else None,
         "gpu_milli": job.gpu_milli if 0 < job.gpu_milli <= 1000 else 1000,
         "command": spec.get("command"),
+        "image": spec.get("image") or None,
         "env": spec.get("env") or {},
         "checkpoint_uri": job.checkpoint_uri or None,
         "checkpoint_request_id": _checkpoint_request_id(job) if action == "checkpoint" else None,
         # What a (re)start resumes from: the newest committed checkpoint, "" for none (start afresh).
         **({"restore_from": _restore_from(job)} if job.checkpoint_uri else {}),
+        # Rank, peers, MASTER_PORT (broker/agents/gang.py); for a single-node job, a gang of one.
+        "gang": gang_assignment(allocation=allocation, parts=parts, gpus_per_node=len(indices)),
     }
 
 

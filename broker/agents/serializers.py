@@ -7,6 +7,7 @@ take arrive as null; every such field is optional and nullable here.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import urllib.parse
@@ -25,6 +26,8 @@ MAX_NVLINKS = 32  # NVML_NVLINK_MAX_LINKS is 18 (Hopper, Blackwell)
 # room for 16-GPU nodes and bounds what one node stores and every node-list read loads.
 MAX_TOPOLOGY_BYTES = 128 * 1024
 JOB_ISOLATION = ["separate-user", "shared-user"]
+# What the agent can run a job's image with (agent/runtimes.py RUNTIME_NAMES).
+CONTAINER_RUNTIMES = ["podman", "docker", "apptainer", "singularity"]
 # "PIX", "CHIPSET_NOT_SUPPORTED", and the agent's fallbacks "LEVEL_<n>" / "STATUS_<n>" for values
 # a newer NVML may return.
 _TOPOLOGY_WORD = re.compile(r"[A-Z0-9_]{1,32}")
@@ -182,6 +185,35 @@ def _port_in_range(value: str) -> None:
         raise serializers.ValidationError("The port must be 1-65535.")
 
 
+_DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+class NodeAddressField(StrictCharField):
+    """The address a gang's other nodes reach this node at (the agent's --advertise-address): an
+    IPv4/IPv6 address or a DNS name, nothing else. It becomes MASTER_ADDR and WHALEZEN_NODE_IPS in
+    other jobs' environments, so no spaces, newlines, ports or URLs."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_length=253, **kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        value = super().to_internal_value(data)
+        if value and not node_address_valid(value):
+            raise serializers.ValidationError("Must be an IP address or a DNS name, e.g. 10.0.0.7 or gpu-7.dc1.")
+        return value
+
+
+def node_address_valid(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        pass
+    labels = (value[:-1] if value.endswith(".") else value).split(".")
+    # A last label of digits only is a malformed IPv4 address (10.0.0.999), not a name.
+    return len(value) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels) and not labels[-1].isdigit()
+
+
 class RegisterSerializer(StrictSerializer):
     join_token = StrictCharField(max_length=200)
     name = StrictRegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z", max_length=200,
@@ -202,6 +234,14 @@ class RegisterSerializer(StrictSerializer):
     # ("shared-user": jobs could read the agent's secrets). Shown to tenant admins on the node.
     job_isolation = _choice(JOB_ISOLATION, required=False)
     metrics_url = MetricsUrlField(required=False, allow_blank=True)
+    address = NodeAddressField(required=False, allow_blank=True)
+    container_runtimes = serializers.ListField(child=_choice(CONTAINER_RUNTIMES), required=False,
+                                               max_length=len(CONTAINER_RUNTIMES))
+
+    def validate_container_runtimes(self, runtimes: list[str]) -> list[str]:
+        if len(set(runtimes)) != len(runtimes):
+            raise serializers.ValidationError("Each runtime may appear once.")
+        return runtimes
 
     def validate_gpus(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
         indices = [g["index"] for g in gpus]

@@ -8,6 +8,7 @@ about an allocation that is no longer active is recorded but moves nothing: the 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -19,6 +20,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from broker.agents.gang import gang_parts, is_gang, part_data, part_label
 from broker.agents.models import AssignmentReport, NodeAgent
 from broker.inventory.models import CloudInstance, Gpu, GpuHealth, Node, NodeState, Pool
 from broker.inventory.services import gpu_model_resolve
@@ -109,13 +111,16 @@ def _join_target(join_token: str) -> tuple[Pool, CloudInstance | None]:
     raise JoinRefused("Invalid join token.")
 
 
-def agent_register(*, data: dict[str, Any]) -> Registration:
+def agent_register(*, data: dict[str, Any], remote_addr: str | None = None) -> Registration:
     """Create the node (or re-admit it) and its GPUs; issue a new node token.
 
     The same agent (same `agent_key`) registering again gets the same node and a fresh token (its
     first answer may have been lost). Another agent may take over a node name only while that node
     has no agent yet (pre-created by an admin or the demo seed) or is LOST/OFFLINE, and never the
     node of a cloud instance the broker gave up on. A cloud instance's one-time token works once.
+
+    The node's address (what a gang's peers connect to) is the one the agent advertises, else
+    `remote_addr`, the address its registration came from.
     """
     from broker.provisioning.services import instance_join_token_consume
 
@@ -155,6 +160,9 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
         # Replaced, not merged: the agent's labels are the node's labels, so a bad or stale key
         # (an old "simulated") goes away at the next registration.
         node.labels = dict(data.get("labels") or {})
+        # Replaced too: the runtimes the agent found now are the ones image jobs may use.
+        node.container_runtimes = list(data.get("container_runtimes") or [])
+        node.address = data.get("address") or _peer_address(remote_addr)
         node.token_prefix, node.token_hash = issued.prefix, issued.digest
         node.agent_version = data.get("agent_version") or ""
         node.topology = {**(data.get("topology") or {}),
@@ -184,6 +192,15 @@ def agent_register(*, data: dict[str, Any]) -> Registration:
     log.info("node %s registered in pool %s (%d GPUs, %s)", node.name, pool.name, len(data["gpus"]),
              "new" if created else "re-admitted")
     return Registration(node=node, token=issued.plaintext, created=created)
+
+
+def _peer_address(remote_addr: str | None) -> str:
+    """REMOTE_ADDR as the server saw it, only if it is an IP address (a proxy in front may set it
+    to anything): behind NAT or a proxy it is not the node's own, which --advertise-address fixes."""
+    try:
+        return str(ipaddress.ip_address((remote_addr or "").strip()))
+    except ValueError:
+        return ""
 
 
 def _refuse_duplicate_gpus(*, pool: Pool, name: str, gpus: list[dict[str, Any]]) -> None:
@@ -398,8 +415,9 @@ def agent_report_status(*, node: Node, allocation_id: int, data: dict[str, Any])
     })
     job = allocation.job
     event_append(job=job, kind="agent", reason_code=f"AGENT_{state.upper()}",
-                 message=f"{node.name}: {data.get('message') or state}",
+                 message=f"{part_label(allocation, node)}: {data.get('message') or state}",
                  data={"node": node.name, "allocation": allocation.pk, "state": state, "reason": reason,
+                       **part_data(allocation),
                        "exit_code": data.get("exit_code"), "pid": data.get("pid"),
                        **({"output_tail": data["output_tail"]} if data.get("output_tail") else {})})
     failed_gpus = {int(k): v for k, v in (data.get("failed_gpus") or {}).items()}
@@ -430,12 +448,38 @@ def _record_checkpoint(*, allocation: Allocation, checkpoint: dict[str, Any]) ->
         raise AgentError(str(exc), field=exc.field) from exc
 
 
+# Reports of a part that has started (its process ran): a gang is RUNNING once every part has one.
+_STARTED_REPORTS = ("running", "exited", "checkpoint_requested")
+
+
 def _apply_report(*, job: Job, allocation: Allocation, state: str, reason: str, message: str, node: Node) -> None:
+    if not is_gang(job):
+        _apply_part_report(job=job, allocation=allocation, state=state, reason=reason, message=message, node=node)
+        return
+    with transaction.atomic():
+        # The parts of a gang report at the same moment: the job row's lock makes each one see the
+        # reports committed before it, so the last "running" (or "exited") always moves the job.
+        Job.objects.select_for_update().filter(pk=job.pk).first()
+        _apply_part_report(job=job, allocation=allocation, state=state, reason=reason, message=message, node=node)
+
+
+def _apply_part_report(*, job: Job, allocation: Allocation, state: str, reason: str, message: str,
+                       node: Node) -> None:
+    """One part's report moves the job. A gang's part that fails, cannot start or stops on its own
+    takes the whole job with it: the job's allocations are released, which withdraws the other
+    parts' assignments, and their agents stop them at their next sync (agent/loop.py)."""
     job.refresh_from_db()
+    who = part_label(allocation, node)  # "rank 1 of 2 on node-b", or the node's name for one node
     before_running = (JobState.PLACED, JobState.PROVISIONING, JobState.STARTING)
-    if state == "running" and job.state in before_running:
+    waiting = _parts_not_started(job) if is_gang(job) and state == "running" else []
+    if state == "running" and job.state in before_running and waiting:
+        # All parts start together: the job is RUNNING only once every one of them runs.
+        _advance(job, [JobState.STARTING], reason_code="GANG_STARTING",
+                 message=f"{who} is running; waiting for {', '.join(waiting)} to start.")
+    elif state == "running" and job.state in before_running:
         _advance(job, [JobState.STARTING, JobState.RUNNING], reason_code="AGENT_RUNNING",
-                 message=f"Running on {node.name}.")
+                 message=f"Running on {node.name}." if not is_gang(job) else
+                 f"Running on all {job.node_count} nodes.")
         job.refresh_from_db()
         if job.state == JobState.RUNNING:
             migration_job_running(job=job)
@@ -447,32 +491,46 @@ def _apply_report(*, job: Job, allocation: Allocation, state: str, reason: str, 
                   .exclude(agent_report__state="exited"))
         if not others.exists():  # a gang job succeeds when every node's part exited cleanly
             steps = [JobState.STARTING, JobState.SUCCEEDED] if job.state in before_running else [JobState.SUCCEEDED]
-            _advance(job, steps, reason_code="JOB_EXITED", message=f"Exited with code 0 on {node.name}.")
+            _advance(job, steps, reason_code="JOB_EXITED", message=f"Exited with code 0 on {node.name}." if not
+                     is_gang(job) else f"Every rank exited with code 0 (the last: {who}).")
     elif state == "failed" and reason in ("agent_crashed", "not_running"):
-        job_requeue(job=job, reason_code="AGENT_RESTARTED", message=f"{node.name}: {message}. Restarting the job.")
+        job_requeue(job=job, reason_code="AGENT_RESTARTED", message=f"{who}: {message}. Restarting the job.")
+    elif state == "failed" and is_gang(job):
+        _advance(job, [JobState.FAILED], reason_code="JOB_FAILED",
+                 message=f"{who} failed: {message}. The other ranks are stopped.",
+                 data={"node": node.name, "reason": reason, **part_data(allocation)})
     elif state == "failed":
         _advance(job, [JobState.FAILED], reason_code="JOB_FAILED", message=f"{node.name}: {message}.")
     elif state == "stopped" and job.state != JobState.MIGRATING:
         # The broker did not take this allocation away (it is still active), yet the process ended:
         # the agent shut down or the node re-registered. The job goes back to the queue.
-        job_requeue(job=job, reason_code="AGENT_STOPPED_JOB", message=f"{node.name}: {message}.")
+        job_requeue(job=job, reason_code="AGENT_STOPPED_JOB", message=f"{who}: {message}.")
     elif state == "refused" and reason == "invalid":
         # The assignment itself is unusable (no command, bad env...): another node would refuse it
         # too, so requeueing would only loop.
         _advance(job, [JobState.FAILED], reason_code="ASSIGNMENT_INVALID",
-                 message=f"{node.name} cannot run this job: {message}.")
+                 message=f"{who} cannot run this job: {message}.", data=part_data(allocation) or None)
     elif state == "refused":
-        job_requeue(job=job, reason_code="ASSIGNMENT_REFUSED", message=f"{node.name} refused the job: {message}.")
+        job_requeue(job=job, reason_code="ASSIGNMENT_REFUSED", message=f"{who} refused the job: {message}.")
 
 
-def _advance(job: Job, steps: list[str], *, reason_code: str, message: str) -> None:
+def _parts_not_started(job: Job) -> list[str]:
+    """"rank 1 (node-b)" for each part of a gang that has not reported its process started."""
+    parts = gang_parts(job)
+    started = set(AssignmentReport.objects.filter(allocation__in=parts, state__in=_STARTED_REPORTS)
+                  .values_list("allocation_id", flat=True))
+    return [f"rank {rank} ({part.node.name})" for rank, part in enumerate(parts) if part.pk not in started]
+
+
+def _advance(job: Job, steps: list[str], *, reason_code: str, message: str,
+             data: dict[str, Any] | None = None) -> None:
     """Take `steps` in order; stop quietly at the first one the state machine or a race refuses
     (a duplicate report, or someone else moved the job first)."""
     for target in steps:
         if job.state == target:
             continue
         try:
-            job = job_transition(job=job, to=target, reason_code=reason_code, message=message)
+            job = job_transition(job=job, to=target, reason_code=reason_code, message=message, data=data)
         except (IllegalTransition, StaleState):
             return
 

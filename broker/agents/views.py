@@ -39,7 +39,7 @@ class RegisterView(APIView):
         serializer = s.RegisterSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
-            registration = agent_register(data=serializer.validated_data)
+            registration = agent_register(data=serializer.validated_data, remote_addr=request.META.get("REMOTE_ADDR"))
         except AgentError as err:
             return _error(err)
         return Response({"node_id": str(registration.node.pk), "node_token": registration.token,

@@ -45,6 +45,7 @@ def _aws_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gcp_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
+    config = {k: v for k, v in config.items() if k != "container_runtimes"}  # the broker's (offers.py), not GCP's
     return {**config, "regions": config.get("regions") or [pool.region]} if "regions" in config or pool.region \
         else dict(config)
 

@@ -7,6 +7,7 @@ how many more instances each group may launch, whatever their types (issue 8 ite
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ CAPPED_INSTANCE_STATES = LIVE_INSTANCE_STATES + (InstanceState.TERMINATING,)
 # Refreshed by the provisioning.refresh_offers task; a cycle refreshes on its own when the cache is cold.
 OFFER_CACHE_SECONDS = 3600
 FAST_FABRICS = {"efa", "infiniband", "gpudirect-tcpx", "gpudirect-tcpxo", "roce"}
+# A cloud pool's provider_config key: the container runtimes its machine image comes with (what the
+# agent on a new instance will find), so the engine may rent it for a job with an image.
+POOL_RUNTIMES_KEY = "container_runtimes"
+CONTAINER_RUNTIMES = ("podman", "docker", "apptainer", "singularity")  # agent/runtimes.py RUNTIME_NAMES
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,37 @@ def _pool_offers(pool: Pool) -> list[Offer]:
             log.warning("offers of pool %s unavailable: %s", pool, exc)
             return []
     return offers
+
+
+def pool_container_runtimes(pool: Pool) -> tuple[str, ...]:
+    """The runtimes an instance of this pool will have (docs/providers.md, "Container images").
+
+    `provider_config["container_runtimes"]` says so for a custom machine image. Without it: AWS's
+    default image (the Deep Learning Base OSS Nvidia Driver AMI) ships Docker and the NVIDIA container
+    toolkit; GCP's default (plain Debian 12) and a custom image nothing; the local simulator's agents
+    run on this machine and find what it has."""
+    config = pool.provider_config or {}
+    if POOL_RUNTIMES_KEY in config:
+        value = config[POOL_RUNTIMES_KEY]
+        if isinstance(value, list) and all(v in CONTAINER_RUNTIMES for v in value):
+            return tuple(value)
+        log.warning("pool %s: provider_config %s must list some of %s; taking none", pool, POOL_RUNTIMES_KEY,
+                    ", ".join(CONTAINER_RUNTIMES))
+        return ()
+    if pool.kind == PoolKind.LOCAL:
+        return _this_machines_runtimes()
+    if pool.kind == PoolKind.AWS and not config.get("image_ids"):
+        return ("docker",)
+    return ()
+
+
+@functools.lru_cache(maxsize=1)
+def _this_machines_runtimes() -> tuple[str, ...]:
+    # What a local instance's agent detects at its start (it runs here); once per process, since
+    # detection runs `docker info`.
+    from agent.runtimes import detect
+
+    return tuple(r.name for r in detect(None))
 
 
 def offer_id(pool: Pool, offer: Offer) -> str:
@@ -138,7 +174,17 @@ def cloud_offers(*, tenant: Tenant | None = None, tenants: Sequence[Tenant] | No
                 launchable=launchable, nvlink="nvlink" in fabric or "nvswitch" in fabric,
                 fast_fabric=bool(fabric & FAST_FABRICS), vcpus=int(offer.vcpus),
                 memory_mb=int(offer.memory_gib * 1024), launch_group=launch_group(pool),
-                tenants=teams_of_pool.get(pool.pk, ()),
+                tenants=teams_of_pool.get(pool.pk, ()), container_runtimes=pool_container_runtimes(pool),
             ))
     result.sort(key=lambda o: o.id)
     return tuple(result), index
+
+
+def pool_offer_models(pool: Pool) -> set[str]:
+    """Catalogue names of the GPU models the pool's offers sell (what a team can rent through it)."""
+    models = set()
+    for offer in _pool_offers(pool):
+        if offer.available and offer.gpu_count > 0:
+            model = gpu_model_resolve(offer.gpu_model)
+            models.add(model.name if model else offer.gpu_model)
+    return models

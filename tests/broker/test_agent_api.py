@@ -251,9 +251,12 @@ def test_assignments_list_active_allocations_with_everything_to_start_them(acme,
     uuids = dict(node.gpus.values_list("index", "uuid"))
     assert a == {"id": str(allocation.pk), "job_id": str(job.pk), "epoch": allocation.epoch, "action": "start",
                  "gpu_indices": [1, 3], "gpu_uuids": [uuids[1], uuids[3]], "gpu_milli": 1000,
-                 "command": ["python", "train.py"], "env": {"LR": "0.1"},
+                 "command": ["python", "train.py"], "image": None, "env": {"LR": "0.1"},
                  "checkpoint_uri": "s3://ckpt-bucket/train", "checkpoint_request_id": None,
-                 "restore_from": ""}  # no committed checkpoint yet: start afresh
+                 "restore_from": "",  # no committed checkpoint yet: start afresh
+                 # A single-node job is a gang of one, at the address its registration came from.
+                 "gang": {"rank": 0, "node_addresses": ["127.0.0.1"], "gpus_per_node": 2,
+                          "master_port": 10000 + job.pk % 20000, "skypilot_env": False}}
 
 
 def test_checkpointing_and_migrating_jobs_get_checkpoint_and_stop(acme, registered):
@@ -381,6 +384,9 @@ def test_gang_job_succeeds_only_when_every_node_exited(acme, join_token):
     alloc_a, alloc_b = sorted(allocations, key=lambda a: a.node_id == node_b.pk)
     report(token_a, alloc_a, "running", reason="started")
     report(token_a, alloc_a, "exited", reason="exit", exit_code=0)
+    job.refresh_from_db()
+    assert job.state == JobState.STARTING  # RUNNING only once every part has started
+    report(token_b, alloc_b, "running", reason="started")
     job.refresh_from_db()
     assert job.state == JobState.RUNNING
     report(token_b, alloc_b, "exited", reason="exit", exit_code=0)

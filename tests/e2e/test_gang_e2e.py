@@ -1,0 +1,127 @@
+"""A two-node job end to end, as a user meets it: `make run`, two real node agents of a pool with a
+fast fabric (the demo's on-prem nodes have none), the HTTP API, and examples/gang_rendezvous.py
+finding its peer over TCP on loopback through MASTER_ADDR/MASTER_PORT/WHALEZEN_NODE_RANK.
+
+1. Both ranks check in with each other and exit 0: the job SUCCEEDS.
+2. Rank 1 reaches rank 0, then exits 3: the job FAILS, its events name rank 1, and rank 0's process
+   (which would wait for rank 1 until its 600 s timeout) is stopped by its agent.
+One agent advertises its address, the other is known by the address its registration came from;
+both are 127.0.0.1 here.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .service import ROOT, Service, backends, call, commands_with, free_port, kill_leftovers, shared_tmp_dir, wait_for
+from .test_serve import wait_state
+
+pytestmark = pytest.mark.slow
+NODES = ("gang-node-0", "gang-node-1")
+RENDEZVOUS = ROOT / "examples" / "gang_rendezvous.py"
+
+
+@pytest.fixture(scope="module")
+def served():
+    """`make run`, and two agents with one fake L4 each in a pool `gangs` labelled fabric=infiniband."""
+    var_dir = shared_tmp_dir() / "var"
+    with backends(var_dir) as env:
+        service = Service(var_dir, free_port(), env)
+        agents: list[subprocess.Popen] = []
+        try:
+            service.start()
+            join = subprocess.run([sys.executable, "manage.py", "issue_join_token", "--tenant", "acme", "--pool",
+                                   "gangs", "--create"], cwd=ROOT, env=service.env, check=True,
+                                  capture_output=True, text=True, timeout=60).stdout.strip().splitlines()[-1]
+            token_file = var_dir / "gangs-join-token"
+            token_file.write_text(join)
+            for i, name in enumerate(NODES):
+                agents.append(gang_agent(var_dir, name, service.base, token_file,
+                                         ["--advertise-address", "127.0.0.1"] if i == 0 else []))
+            token = service.token("acme")
+            wait_for(lambda: {n["name"] for n in call(f"{service.base}/api/v1/nodes/?page_size=200", token)["results"]
+                              if n["state"] == "ONLINE"} >= set(NODES), 60, "the gang nodes to register")
+            yield service, var_dir
+        finally:
+            for agent in agents:
+                agent.terminate()
+            for agent in agents:
+                try:
+                    agent.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
+            if service.process is not None and service.process.poll() is None:
+                service.stop(signal.SIGTERM)
+            kill_leftovers(var_dir, "gang_rendezvous.py")
+
+
+def gang_agent(var_dir: Path, name: str, server: str, token_file: Path, extra: list[str]) -> subprocess.Popen:
+    state = var_dir / "gang-agents" / name
+    state.parent.mkdir(parents=True, exist_ok=True)
+    log = (var_dir / f"{name}.log").open("wb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "REDIS_URL", "DJANGO"))}
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent", "--server", server, "--join-token-file", str(token_file), "--name", name,
+         "--fake-gpus", "1xL4", "--label", "fabric=infiniband", "--state-dir", str(state),
+         "--work-dir", str(state.parent / f"{name}-jobs"), "--heartbeat-seconds", "1", "--stop-grace-seconds", "2",
+         *extra],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def gang_spec(name: str, *args: str) -> dict:
+    return {"name": name, "resources": {"gpus": 1, "nodes": 2, "gpu_models": ["L4"]},
+            "placement": {"providers": ["onprem"]},
+            "command": ["/usr/bin/python3", str(RENDEZVOUS), "--timeout", "600", *args]}
+
+
+def events(service: Service, token: str, job_id: int) -> list[dict]:
+    return call(f"{service.base}/api/v1/jobs/{job_id}/events/?page_size=200", token)["results"]
+
+
+def part_logs(service: Service, token: str, var_dir: Path, job_id: int) -> dict[str, str]:
+    """node name -> the job's output there (<work dir>/<allocation id>/job.log), for each part its
+    agent reported started (a finished job lists no allocations any more; its events name them)."""
+    logs = {}
+    for event in events(service, token, job_id):
+        if event["reason_code"] == "AGENT_RUNNING" and event.get("data", {}).get("allocation"):
+            node, allocation = event["data"]["node"], event["data"]["allocation"]
+            found = list(var_dir.glob(f"gang-agents/{node}-jobs/{allocation}/job.log"))
+            logs[node] = found[0].read_text(errors="replace") if found else ""
+    return logs
+
+
+def test_two_ranks_find_each_other_and_the_job_succeeds(served):
+    service, var_dir = served
+    token = service.token("acme")
+    job = call(f"{service.base}/api/v1/jobs/", token, gang_spec("rendezvous"))
+    done = wait_state(service, token, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout=60)
+    logs = part_logs(service, token, var_dir, job["id"])
+    assert done["state"] == "SUCCEEDED", (done, logs)
+    assert set(logs) == set(NODES)  # one part on each node
+    text = "\n".join(logs.values())
+    assert "rank 0: heard from rank 1" in text and "rank 0: all 2 ranks checked in" in text, logs
+    assert "rank 1: heard 'rank 0'" in text, logs
+    master = 10000 + done["id"] % 20000  # broker/agents/gang.py: the job's MASTER_PORT
+    assert f"master 127.0.0.1:{master}" in text, logs
+
+
+def test_a_failing_rank_fails_the_job_and_stops_the_other(served):
+    service, var_dir = served
+    token = service.token("acme")
+    tag = f"gang-fail-{uuid.uuid4().hex[:8]}"  # in rank 0's command line: how its process is found
+    job = call(f"{service.base}/api/v1/jobs/", token, gang_spec("rank-fails", "--fail-rank", "1", "--tag", tag))
+    done = wait_state(service, token, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout=60)
+    logs = part_logs(service, token, var_dir, job["id"])
+    assert done["state"] == "FAILED", (done, logs)
+    (failed,) = [e for e in events(service, token, job["id"]) if e["reason_code"] == "JOB_FAILED"]
+    assert failed["message"].startswith("rank 1 of 2 on gang-node-") and "exited with code 3" in failed["message"]
+    # Rank 0 was running (rank 1 reached it first) and is stopped, not left waiting for rank 1.
+    wait_for(lambda: not commands_with(tag), 30, "rank 0's process to be stopped")
+    text = "\n".join(logs.values())
+    assert "rank 1: reached rank 0" in text and "all 2 ranks checked in" not in text, logs
