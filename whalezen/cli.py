@@ -301,25 +301,60 @@ def _file(path: str) -> str:
     return "on stdin" if path == "-" else path
 
 
-# Top-level keys of the formats users bring from elsewhere: a server that does not take them yet (issue 14)
-# refuses them as unknown fields, and the message says what the file looks like.
-FOREIGN_KEYS = {"Kubernetes manifest": {"apiVersion", "kind", "metadata"},
-                "SkyPilot task file": {"run", "setup", "num_nodes", "workdir", "file_mounts", "envs"}}
-
-
 def _spec_refused(path: str, exc: errors.BadRequest) -> CliError:
-    fields = exc.fields
-    unknown = {name for name, reasons in fields.items() if "Unknown field." in reasons}
-    hint = next((f" (this looks like a {kind}, which this server does not accept yet)"
-                 for kind, keys in FOREIGN_KEYS.items() if len(unknown & keys) >= 1 and unknown <= keys | {"spec"}), "")
-    return CliError(f"bad spec {_file(path)}: {exc.detail}{hint}", EXIT_USAGE, fields=fields, status=exc.status)
+    return CliError(f"bad spec {_file(path)}: {exc.detail}", EXIT_USAGE, fields=exc.fields, status=exc.status)
+
+
+def _with_env(spec: dict[str, Any], pairs: list[str], *, secret: bool) -> dict[str, Any]:
+    """`--env NAME=VALUE` (and `--secret`) into the spec: a SkyPilot task's `envs` / `secrets` (filling
+    the values it leaves to submit time), a native spec's `env` / `secrets`."""
+    if not pairs:
+        return spec
+    values: dict[str, str] = {}
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not equals or not name:
+            raise CliError(f"--{'secret' if secret else 'env'} {pair!r}: give NAME=VALUE", EXIT_USAGE)
+        values[name] = value
+    skypilot = any(key in spec for key in ("run", "setup", "envs", "secrets", "num_nodes"))
+    key = "secrets" if secret else ("envs" if skypilot else "env")
+    if "apiVersion" in spec:
+        raise CliError("--env and --secret do not apply to a Kubernetes manifest: set env in its container",
+                       EXIT_USAGE)
+    merged = dict(spec.get(key) or {})
+    merged.update(values)
+    return {**spec, key: merged}
+
+
+def _show_remarks(out: Out, body: dict[str, Any]) -> None:
+    for remark in body.get("warnings") or []:
+        out.note(f"warning: {remark['field']}: {remark['message']}")
 
 
 def cmd_submit(ctx: Context) -> int:
     args, out = ctx.args, ctx.out
-    spec = _read_spec(args.file)
+    spec = _with_env(_with_env(_read_spec(args.file), args.env, secret=False), args.secret, secret=True)
+    if args.dry_run:
+        try:
+            result = ctx.client.submit_dry_run(spec, format=args.format)
+        except errors.BadRequest as exc:
+            raise _spec_refused(args.file, exc) from None
+        if out.json_mode:
+            out.json(result)
+        else:
+            out.line(json.dumps({"format": result["format"], "demand": result["demand"], "spec": result["spec"]},
+                                indent=2))
+            _show_remarks(out, result)
+            for problem in result.get("problems") or []:
+                out.note(f"problem: {problem['field']}: {problem['message']}")
+        return EXIT_USAGE if result.get("problems") else EXIT_OK
+    return _cmd_submit(ctx, spec)
+
+
+def _cmd_submit(ctx: Context, spec: dict[str, Any]) -> int:
+    args, out = ctx.args, ctx.out
     try:
-        job = ctx.client.submit(spec)
+        job = ctx.client.submit(spec, format=args.format)
     except errors.BadRequest as exc:
         raise _spec_refused(args.file, exc) from None
     except errors.Unreachable as exc:
@@ -327,6 +362,8 @@ def cmd_submit(ctx: Context) -> int:
             raise CliError(f"{exc.message}; the job may have been submitted: check `whalezen ls` before "
                            "submitting again", EXIT_UNREACHABLE) from None
         raise
+    if not out.json_mode:
+        _show_remarks(out, job)
     if not args.wait:
         if out.json_mode:
             out.json(job)
@@ -795,9 +832,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-stdin", action="store_true", help="read the token from standard input")
     add("logout", cmd_logout, "forget the stored login")
 
-    p = add("submit", cmd_submit, "submit a job spec (YAML or JSON; `-` reads stdin) and print its id")
+    p = add("submit", cmd_submit, "submit a job spec (YAML or JSON; `-` reads stdin): ours, a SkyPilot task "
+                                  "file or a Kubernetes Pod/Job manifest; print its id")
     p.add_argument("file")
     p.add_argument("--wait", action="store_true", help="then show progress until it runs or ends")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and normalise only (nothing is created); exit 2 if something would block it")
+    p.add_argument("--format", choices=["whalezen", "skypilot", "kubernetes"],
+                   help="how the file is written (default: told by its shape)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set an environment variable (fills a SkyPilot task's `envs` left null; repeatable)")
+    p.add_argument("--secret", action="append", default=[], metavar="NAME=VALUE",
+                   help="a secret variable (kept out of the stored spec, events and logs; repeatable)")
     waiting(p, "waiting")
 
     p = add("ls", cmd_ls, "list the team's jobs, newest first")

@@ -103,10 +103,19 @@ class Client:
     def job(self, job_id: int) -> Job:
         return cast(Job, self._get(f"/jobs/{_id(job_id)}/"))
 
-    def submit(self, spec: Mapping[str, Any]) -> Job:
-        """Submit a job spec (our own, or once the server accepts them a SkyPilot task or a Kubernetes
-        manifest, as a parsed document). Not retried: a timeout may still have created the job."""
-        return cast(Job, self._post("/jobs/", dict(spec)))
+    def submit(self, spec: Mapping[str, Any], *, format: str | None = None) -> Job:
+        """Submit a job spec (our own, a SkyPilot task file or a Kubernetes manifest, as a parsed
+        document; `format` declares which, else the server tells by its shape). The answer has the job,
+        plus `format` and the `warnings` about fields that do not change a batch run. Not retried: a
+        timeout may still have created the job."""
+        params = {"spec_format": format} if format else None
+        return cast(Job, self._request("POST", "/jobs/", params=params, body=dict(spec)))
+
+    def submit_dry_run(self, spec: Mapping[str, Any], *, format: str | None = None) -> dict[str, Any]:
+        """Validate and normalise `spec` without creating anything: {format, spec, demand, warnings,
+        problems}; `problems` would block a real submission (an env value still to supply)."""
+        params = {"dry_run": "1", **({"spec_format": format} if format else {})}
+        return cast(dict, self._request("POST", "/jobs/", params=params, body=dict(spec)))
 
     def cancel(self, job_id: int) -> Job:
         return cast(Job, self._post(f"/jobs/{_id(job_id)}/cancel/"))

@@ -16,11 +16,13 @@ from broker.api.base import TenantScopedMixin
 from broker.api.fields import StrictCharField, StrictSerializer
 from broker.api.schema import CONFLICT, THROTTLED, WhaleZenAutoSchema
 from broker.api.throttles import JobSubmitThrottle
-from broker.jobs import selectors, services
+from broker.jobs import services
 from broker.jobs import checkpoints
 from broker.jobs.migration import migration_phases, migration_request
 from broker.jobs.models import Checkpoint, Job, JobEvent, Migration
-from broker.jobs.spec import JobSpecSerializer
+from broker.jobs import intake
+from broker.jobs.formats import FORMATS
+from broker.jobs.spec import JobSpecSerializer, spec_to_json
 from broker.jobs.states import JobState
 
 
@@ -57,7 +59,8 @@ class JobSerializer(serializers.ModelSerializer):
             "gpus_per_node": job.gpu_count, "nodes": job.node_count, "total_gpus": job.gpu_count * job.node_count,
             "gpu_milli": job.gpu_milli,
             "compute_units": float(job.compute_units) if job.compute_units is not None else None,
-            "gpu_models": job.gpu_models, "min_gpu_memory_gb": job.min_gpu_memory_gb,
+            "gpu_models": job.gpu_models, "gpu_alternatives": job.gpu_alternatives,
+            "min_gpu_memory_gb": job.min_gpu_memory_gb,
             "interconnect": job.interconnect, "cpu_milli": job.cpu_milli, "memory_mb": job.memory_mb,
             "spot": job.spot,
             "max_price_per_hour": float(job.max_price_per_hour) if job.max_price_per_hour is not None else None,
@@ -74,6 +77,27 @@ class JobSerializer(serializers.ModelSerializer):
     def get_allocations(self, job: Job) -> list[dict]:
         return [{"id": a.id, "node": a.node.name, "gpus": sorted({s.gpu.index for s in a.slices.all() if s.active}),
                  "epoch": a.epoch} for a in job.allocations.all() if a.active]
+
+
+class SubmitQuerySerializer(StrictSerializer):
+    dry_run = serializers.BooleanField(required=False, help_text="1: validate and normalise only; nothing is created.")
+    # Not `format`: DRF reads ?format= as the response renderer (the costs API's ?format=csv).
+    spec_format = serializers.ChoiceField(choices=FORMATS, required=False,
+                                          help_text="How the body is written; detected from its shape when left out.")
+
+
+class FieldRemarkSerializer(serializers.Serializer):
+    field = serializers.CharField()
+    message = serializers.CharField()
+
+
+class DryRunSerializer(serializers.Serializer):
+    dry_run = serializers.BooleanField()
+    format = serializers.ChoiceField(choices=FORMATS)
+    spec = serializers.JSONField(help_text="The native spec the submission would store.")
+    demand = serializers.JSONField(help_text="What the scheduler would read.")
+    warnings = FieldRemarkSerializer(many=True, help_text="Fields accepted that do not change a batch run.")
+    problems = FieldRemarkSerializer(many=True, help_text="What would still block a real submission.")
 
 
 class JobEventSerializer(serializers.ModelSerializer):
@@ -182,15 +206,28 @@ class JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, mixins.ListModelMix
             return [JobSubmitThrottle()]
         return super().get_throttles()
 
-    @extend_schema(request=JobSpecSerializer, responses={201: JobSerializer, 429: THROTTLED},
+    @extend_schema(request=JobSpecSerializer, responses={201: JobSerializer, 200: DryRunSerializer, 429: THROTTLED},
+                   parameters=[SubmitQuerySerializer],
                    examples=[OpenApiExample("4 x A100 on NVLink", value=EXAMPLE_SPEC, request_only=True)],
-                   description="Submit a job spec (JSON, or YAML with Content-Type: application/yaml).")
+                   description="Submit a job spec: WhaleZen's own, a SkyPilot task file or a Kubernetes Pod / "
+                               "batch/v1 Job / Pod template (JSON, or YAML with Content-Type: application/yaml). "
+                               "`?dry_run=1` validates and normalises without creating anything (200).")
     def create(self, request: Request, *args, **kwargs) -> Response:
-        spec = JobSpecSerializer(data=request.data, context={"gpu_catalog": selectors.gpu_catalog()})
-        spec.is_valid(raise_exception=True)
-        job = services.job_submit(tenant=self.ctx.tenant, owner=request.user, validated=spec.validated_data)
+        query = SubmitQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        submission = intake.submission_parse(request.data, tenant=self.ctx.tenant,
+                                             declared=query.validated_data.get("spec_format"))
+        warnings = [w.as_dict() for w in submission.warnings]
+        if query.validated_data.get("dry_run"):
+            return Response({"dry_run": True, "format": submission.format,
+                             "spec": spec_to_json(submission.validated), "demand": submission.demand.as_dict(),
+                             "warnings": warnings, "problems": [p.as_dict() for p in submission.problems]},
+                            status=status.HTTP_200_OK)
+        intake.submission_refuse_problems(submission)
+        job = services.job_submit(tenant=self.ctx.tenant, owner=request.user, validated=submission.validated)
         job = self.get_queryset().get(pk=job.pk)
-        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+        return Response({**JobSerializer(job).data, "format": submission.format, "warnings": warnings},
+                        status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={200: JobEventSerializer(many=True)}, filters=False)
     @action(detail=True, methods=["get"])

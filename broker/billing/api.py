@@ -381,9 +381,7 @@ class QuoteView(BillingView):
                    responses={200: QuoteOutSerializer, 400: FIELD_ERRORS, 429: THROTTLED})
     def post(self, request: Request) -> Response:
         from broker.billing.quotes import quote
-        from broker.jobs.selectors import gpu_catalog
-        from broker.jobs.spec import JobSpecSerializer
+        from broker.jobs.intake import submission_parse
 
-        spec = JobSpecSerializer(data=request.data, context={"gpu_catalog": gpu_catalog()})
-        spec.is_valid(raise_exception=True)
-        return Response(quote(tenant=self.ctx.tenant, validated=spec.validated_data))
+        submission = submission_parse(request.data, tenant=self.ctx.tenant)  # any format /jobs/ takes
+        return Response(quote(tenant=self.ctx.tenant, validated=submission.validated))

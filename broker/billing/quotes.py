@@ -40,18 +40,9 @@ QUOTE_POLICY = dataclasses.replace(BROKER_POLICY, preemption=False, defragmentat
 
 
 def _unsaved_job(*, tenant: Tenant, validated: dict) -> Job:
-    from broker.jobs.spec import spec_to_json
+    from broker.jobs.services import job_columns
 
-    demand = validated["_demand"]
-    return Job(
-        tenant=tenant, name=validated["name"], spec=spec_to_json(validated), priority=validated.get("priority", 50),
-        preemptible=validated.get("preemptible", False), gpu_count=demand.gpus_per_node, gpu_milli=demand.gpu_milli,
-        compute_units=Decimal(str(demand.compute_units)) if demand.compute_units is not None else None,
-        gpu_models=demand.gpu_models, min_gpu_memory_gb=demand.min_gpu_memory_gb, interconnect=demand.interconnect,
-        node_count=demand.nodes, cpu_milli=demand.cpu_milli, memory_mb=demand.memory_mb, spot=demand.spot,
-        max_price_per_hour=(Decimal(str(demand.max_price_per_hour)) if demand.max_price_per_hour is not None
-                            else None),
-        expected_duration_hours=validated.get("expected_duration_hours"))
+    return Job(tenant=tenant, **job_columns(validated))
 
 
 def _variants(demand: sm.JobDemand, providers: set[str]) -> list[sm.JobDemand]:

@@ -56,6 +56,33 @@ def event_append(*, job: Job, kind: str, message: str = "", reason_code: str = "
     return JobEvent.objects.create(job=job, kind=kind, message=message, reason_code=reason_code, data=data or {})
 
 
+def job_columns(validated: dict[str, Any]) -> dict[str, Any]:
+    """A validated spec (`JobSpecSerializer`) as Job columns: the stored spec, its secrets and demand."""
+    demand: Demand = validated["_demand"]
+    return dict(
+        name=validated["name"],
+        spec=spec_to_json(validated),
+        secret_env=dict(validated.get("secrets") or {}),
+        priority=validated.get("priority", 50),
+        preemptible=validated.get("preemptible", False),
+        gpu_count=demand.gpus_per_node,
+        gpu_milli=demand.gpu_milli,
+        compute_units=Decimal(str(demand.compute_units)) if demand.compute_units is not None else None,
+        gpu_models=demand.gpu_models,
+        gpu_alternatives=demand.gpu_alternatives,
+        min_gpu_memory_gb=demand.min_gpu_memory_gb,
+        interconnect=demand.interconnect,
+        node_count=demand.nodes,
+        cpu_milli=demand.cpu_milli,
+        memory_mb=demand.memory_mb,
+        spot=demand.spot,
+        max_price_per_hour=(Decimal(str(demand.max_price_per_hour))
+                            if demand.max_price_per_hour is not None else None),
+        expected_duration_hours=validated.get("expected_duration_hours"),
+        deadline=validated.get("deadline"),
+    )
+
+
 def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, Any]) -> Job:
     """Create a PENDING job from a validated spec (see `JobSpecSerializer`), all or nothing."""
     demand: Demand = validated["_demand"]
@@ -71,7 +98,6 @@ def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, 
                 f"The job asks for {demand.compute_units} compute units; your quota allows {quota.max_compute_units}.",
                 field="resources",
             )
-    priority = validated.get("priority", 50)
     with transaction.atomic():
         if quota is not None:
             pending = Job.objects.filter(tenant=tenant, state=JobState.PENDING).count()
@@ -83,24 +109,7 @@ def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, 
         job = Job.objects.create(
             tenant=tenant,
             owner=owner,
-            name=validated["name"],
-            spec=spec_to_json(validated),
-            priority=priority,
-            preemptible=validated.get("preemptible", False),
-            gpu_count=demand.gpus_per_node,
-            gpu_milli=demand.gpu_milli,
-            compute_units=Decimal(str(demand.compute_units)) if demand.compute_units is not None else None,
-            gpu_models=demand.gpu_models,
-            min_gpu_memory_gb=demand.min_gpu_memory_gb,
-            interconnect=demand.interconnect,
-            node_count=demand.nodes,
-            cpu_milli=demand.cpu_milli,
-            memory_mb=demand.memory_mb,
-            spot=demand.spot,
-            max_price_per_hour=(Decimal(str(demand.max_price_per_hour))
-                                if demand.max_price_per_hour is not None else None),
-            expected_duration_hours=validated.get("expected_duration_hours"),
-            deadline=validated.get("deadline"),
+            **job_columns(validated),
             pending_reason_code="NOT_YET_SCHEDULED",
             pending_reason="Waiting for the next scheduling cycle.",
             next_attempt_at=timezone.now(),

@@ -27,6 +27,7 @@ from broker.api.fields import (
     StrictSerializer,
 )
 from broker.api.excerpts import excerpt, quoted
+from broker.inventory.labels import MAX_LABELS, label_key_problem, label_value_problem
 
 PRIORITY_NAMES: dict[str, int] = {"low": 10, "normal": 50, "high": 100, "critical": 1000}
 MAX_PRIORITY = 1000
@@ -37,6 +38,10 @@ MAX_MEMORY_GB_PER_NODE = 65536
 PROVIDERS = ("onprem", "aws", "gcp", "local")
 RESERVED_ENV_PREFIX = "WHALEZEN_"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# A container image reference: [registry[:port]/]path[:tag][@digest]. No leading '-' (a runtime
+# would read it as an option), no spaces or shell characters.
+IMAGE_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9.-]*(?::[0-9]{1,5})?/)?[A-Za-z0-9][A-Za-z0-9._/-]*"
+                      r"(?::[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?(?:@sha256:[a-f0-9]{64})?$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 K8S_GPU_KEY = "nvidia.com/gpu"
 _K8S_CPU_RE = re.compile(r"^(\d+(?:\.\d+)?)(m?)$")
@@ -81,6 +86,9 @@ class Demand:
     gpu_milli: int
     compute_units: float | None
     gpu_models: list[str]
+    # Alternatives with their own per-node counts, {model: GPUs per node}; empty when every model
+    # in gpu_models takes gpus_per_node.
+    gpu_alternatives: dict[str, int]
     min_gpu_memory_gb: int
     interconnect: str
     cpu_milli: int
@@ -119,27 +127,59 @@ class StringListField(serializers.ListField):
 
 
 @extend_schema_field({"oneOf": [{"type": "string", "example": "A100-80GB:4"},
-                             {"type": "object", "additionalProperties": {"type": "integer"}}]})
+                             {"type": "object", "additionalProperties": {"type": "integer"}},
+                             {"type": "array", "items": {"type": "string"}}]})
 class AcceleratorsField(serializers.Field):
-    """SkyPilot's spelling: `"A100-80GB:4"`, `"T4"` (one GPU), or `{"A100-80GB": 4}`."""
+    """SkyPilot's spelling: `"A100-80GB:4"`, `"T4"` (one GPU), `"A100:0.5"` (half of one GPU),
+    `{"A100-80GB": 4}`, or alternatives with their own counts, any of which will do:
+    `{"L4": 8, "A100-80GB": 2}`, `["L4:8", "A100-80GB:2"]` or YAML's flow set `{L4:8, A100-80GB:2}`
+    (which parses as keys "L4:8" with null values). Gives [(model, count), ...]; a count below 1 is a
+    share of one GPU."""
 
-    default_error_messages = {"invalid": 'Must look like "MODEL" or "MODEL:COUNT", e.g. "A100-80GB:4".'}
+    default_error_messages = {"invalid": 'Must look like "MODEL" or "MODEL:COUNT", e.g. "A100-80GB:4", '
+                                         'a {{MODEL: COUNT}} object or a list of "MODEL:COUNT" strings.'}
+    MAX_ALTERNATIVES = 16
 
-    def to_internal_value(self, data: Any) -> tuple[str, int]:
-        if isinstance(data, dict) and len(data) == 1:
-            ((model, count),) = data.items()
-        elif isinstance(data, str):
-            model, _, count_text = data.partition(":")
-            if count_text and not _ascii_digits(count_text.strip()):
-                self.fail("invalid")
-            count = int(count_text) if count_text else 1
+    def to_internal_value(self, data: Any) -> list[tuple[str, int | float]]:
+        if isinstance(data, str):
+            items: list[tuple[Any, Any]] = [self._split(data)]
+        elif isinstance(data, dict) and data:
+            items = [self._split(k) if v is None and isinstance(k, str) else (k, v) for k, v in data.items()]
+        elif isinstance(data, list) and data and all(isinstance(item, str) for item in data):
+            items = [self._split(item) for item in data]
         else:
             self.fail("invalid")
-        if not isinstance(model, str) or not model.strip():
-            self.fail("invalid")
+        if len(items) > self.MAX_ALTERNATIVES:
+            raise serializers.ValidationError(f"At most {self.MAX_ALTERNATIVES} alternatives.")
+        out: list[tuple[str, int | float]] = []
+        for model, count in items:
+            if not isinstance(model, str) or not model.strip():
+                self.fail("invalid")
+            out.append((model.strip(), self._count(count)))
+        if len({model.lower() for model, _ in out}) != len(out):
+            raise serializers.ValidationError("A GPU model is listed twice.")
+        return out
+
+    def _split(self, text: str) -> tuple[str, Any]:
+        model, colon, count_text = text.partition(":")
+        count_text = count_text.strip()
+        if not colon:
+            return model, 1
+        if _ascii_digits(count_text):
+            return model, int(count_text)
+        if re.fullmatch(r"0?\.\d{1,3}", count_text):
+            return model, float(count_text)
+        self.fail("invalid")
+
+    @staticmethod
+    def _count(count: Any) -> int | float:
+        if isinstance(count, float) and 0 < count < 1:
+            return count
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_GPUS_PER_NODE:
-            raise serializers.ValidationError(f"GPU count must be an integer from 1 to {MAX_GPUS_PER_NODE}.")
-        return model.strip(), count
+            raise serializers.ValidationError(
+                f"GPU count must be an integer from 1 to {MAX_GPUS_PER_NODE}, or a share of one GPU "
+                "such as 0.5.")
+        return count
 
     def to_representation(self, value: Any) -> Any:
         return value
@@ -241,6 +281,21 @@ class PlacementSerializer(StrictSerializer):
     spot = serializers.ChoiceField(choices=["never", "allowed", "required"], required=False)
     max_price_per_hour = StrictFloatField(required=False, min_value=0.0001, max_value=100000,
                                           help_text="Ceiling in USD per hour for the whole job.")
+    node_selector = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=63),
+                                          required=False, help_text="Node labels the job's nodes must carry "
+                                                                    "(Kubernetes nodeSelector).")
+
+    def validate_node_selector(self, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_LABELS:
+            raise serializers.ValidationError(f"At most {MAX_LABELS} labels.")
+        for key, label in value.items():
+            problem = label_key_problem(key)
+            if problem is None:
+                problem = label_value_problem(label)
+                key = f"{key}={label}"
+            if problem:
+                raise serializers.ValidationError(f"{quoted(key)}: {problem}.")
+        return value
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         providers = attrs.get("providers")
@@ -322,6 +377,9 @@ class JobSpecSerializer(StrictSerializer):
                                     min_length=1, max_length=1024)
     image = StrictCharField(required=False, max_length=512)
     env = serializers.DictField(child=StrictCharField(max_length=32768, allow_blank=True), required=False)
+    secrets = serializers.DictField(child=StrictCharField(max_length=32768, allow_blank=True), required=False,
+                                    help_text="Environment values kept out of the stored spec, events and "
+                                              "logs (tokens, keys); the job's processes get them.")
     priority = PriorityField(required=False, help_text="low|normal|high|critical or 0..1000.")
     preemptible = StrictBooleanField(required=False)
     expected_duration_hours = StrictFloatField(required=False, min_value=0.001, max_value=24 * 366)
@@ -336,6 +394,16 @@ class JobSpecSerializer(StrictSerializer):
                 "Use 1-200 letters, digits, '.', '_' or '-', starting with a letter or digit."
             )
         return value
+
+    def validate_image(self, value: str) -> str:
+        if not IMAGE_RE.match(value) or "//" in value:
+            raise serializers.ValidationError(
+                'Must be a container image reference such as "nvcr.io/nvidia/pytorch:24.05-py3" or '
+                '"ghcr.io/acme/train@sha256:<64 hex>".')
+        return value
+
+    def validate_secrets(self, value: dict[str, str]) -> dict[str, str]:
+        return self.validate_env(value)
 
     def validate_env(self, value: dict[str, str]) -> dict[str, str]:
         if len(value) > 256:
@@ -355,6 +423,9 @@ class JobSpecSerializer(StrictSerializer):
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if "command" not in attrs and "image" not in attrs:
             raise serializers.ValidationError({"command": "Give a command, an image, or both."})
+        clash = sorted(set(attrs.get("env", {})) & set(attrs.get("secrets", {})))
+        if clash:
+            raise serializers.ValidationError({"secrets": f"{quoted(clash[0])} is in env too; give it once."})
         catalog: GpuCatalog = self.context["gpu_catalog"]
         attrs["_demand"] = _normalise(attrs, catalog)
         return attrs
@@ -370,25 +441,41 @@ def _normalise(attrs: dict[str, Any], catalog: GpuCatalog) -> Demand:
     model_spellings = list(res.get("gpu_models", []))
     cpu_milli = int(round(res["cpu"] * 1000)) if "cpu" in res else 0
     memory_mb = int(math.ceil(res["memory_gb"] * 1024)) if "memory_gb" in res else 0
+    counts_by_spelling: dict[str, int] = {}
+    fraction = res.get("gpu_fraction")
     if "accelerators" in res:
-        model, gpus = res["accelerators"]
-        model_spellings = [model]
+        alternatives = res["accelerators"]
+        model_spellings = [model for model, _ in alternatives]
+        shares = [count for _, count in alternatives if isinstance(count, float)]
+        if shares and len(alternatives) > 1:
+            errors["accelerators"] = ["A share of one GPU (such as A100:0.5) cannot be one of several alternatives."]
+        elif shares:
+            if "gpu_fraction" in res:
+                errors["accelerators"] = ["Give the share in accelerators or in gpu_fraction, not both."]
+            fraction, gpus = shares[0], None
+        else:
+            counts_by_spelling = {model: count for model, count in alternatives}
+            gpus = min(counts_by_spelling.values())
     limits = res.get("limits", {})
     if "gpus" in limits:
         gpus = limits["gpus"]
     cpu_milli = limits.get("cpu_milli", cpu_milli)
     memory_mb = limits.get("memory_mb", memory_mb)
 
-    fraction = res.get("gpu_fraction")
     compute_units = res.get("compute_units")
     nodes = res.get("nodes", 1)
     interconnect = res.get("interconnect", "any")
 
     resolved = []
     unknown = []
+    gpus_by_model: dict[str, int] = {}
     for spelling in model_spellings:
         ref = catalog.resolve(spelling)
         (resolved if ref else unknown).append(ref or spelling)
+        if ref is not None and spelling in counts_by_spelling:
+            if gpus_by_model.get(ref.name, counts_by_spelling[spelling]) != counts_by_spelling[spelling]:
+                errors["accelerators"] = [f"{quoted(spelling)} is {ref.name}, listed twice with other counts."]
+            gpus_by_model[ref.name] = counts_by_spelling[spelling]
     field = "accelerators" if "accelerators" in res else "gpu_models"
     if unknown:
         errors[field] = [
@@ -429,6 +516,7 @@ def _normalise(attrs: dict[str, Any], catalog: GpuCatalog) -> Demand:
         gpu_milli=gpu_milli,
         compute_units=compute_units,
         gpu_models=sorted({ref.name for ref in resolved}),
+        gpu_alternatives=dict(sorted(gpus_by_model.items())) if len(set(gpus_by_model.values())) > 1 else {},
         min_gpu_memory_gb=min_mem,
         interconnect=interconnect,
         cpu_milli=cpu_milli,
@@ -447,8 +535,10 @@ def spec_to_json(validated: dict[str, Any]) -> dict[str, Any]:
         out["deadline"] = out["deadline"].isoformat()
     res = dict(out["resources"])
     if "accelerators" in res:
-        model, count = res["accelerators"]
-        res["accelerators"] = f"{model}:{count}"
+        alternatives = [f"{model}:{count:g}" for model, count in res["accelerators"]]
+        res["accelerators"] = alternatives[0] if len(alternatives) == 1 else alternatives
+    if "secrets" in out:  # the values live in Job.secret_env, never in the spec users and events see
+        out["secrets"] = sorted(out["secrets"])
     if "limits" in res:
         res["limits"] = res["limits"].raw
     out["resources"] = res

@@ -188,12 +188,18 @@ def fuzz_world(acme: TenantWorld, globex: TenantWorld):
         forget_submissions(acme.tenant, globex.tenant)
 
 
+FOREIGN_FORMAT_FIELDS = {"kubernetes": {"apiVersion", "kind", "metadata", "spec"},
+                         "skypilot": {"run", "setup", "resources", "envs", "secrets", "num_nodes", "name"}}
+
+
 def request_fields(case) -> set[str]:
     """Names a 400 body may use for this request: the documented body properties, what was sent."""
     names = set(GENERIC_ERROR_KEYS)
     names |= set(case.query or {})
     if isinstance(case.body, dict):
         names |= set(case.body)
+    # A body declared as another format (?spec_format=) is answered in that format's fields.
+    names |= FOREIGN_FORMAT_FIELDS.get((case.query or {}).get("spec_format"), set())
     body = case.operation.definition.raw.get("requestBody")
     if body:
         for media in body.get("content", {}).values():

@@ -49,11 +49,11 @@ def test_submit_returns_pending_job_with_normalised_demand(acme):
 
 
 def test_skypilot_accelerators_alias(acme):
-    resp = acme.client.post(URL, spec(resources={"accelerators": "H100:8"}), format="json")
+    resp = acme.client.post(URL, spec(resources={"accelerators": "a100-80gb:8"}), format="json")
     assert resp.status_code == 201, resp.content
     demand = resp.json()["demand"]
-    assert demand["gpus_per_node"] == 8 and demand["gpu_models"] == ["H100-80GB"]
-    assert resp.json()["spec"]["resources"]["accelerators"] == "H100:8"
+    assert demand["gpus_per_node"] == 8 and demand["gpu_models"] == ["A100-80GB"]
+    assert resp.json()["spec"]["resources"]["accelerators"] == "a100-80gb:8"
 
 
 def test_kubernetes_limits_alias(acme):

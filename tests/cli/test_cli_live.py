@@ -176,7 +176,9 @@ def test_submit_json_from_stdin_and_json_output(wz, live_server):
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     body = json.loads(done.stdout)
-    assert set(body) == JOB_KEYS and body["name"] == "from-stdin" and body["state"] == "PENDING"
+    # The job, with how the server read the spec and what it has to say about its fields.
+    assert set(body) == JOB_KEYS | {"format", "warnings"} and body["name"] == "from-stdin"
+    assert body["state"] == "PENDING" and body["format"] == "whalezen" and body["warnings"] == []
 
 
 def test_bad_spec_is_exit_2_naming_the_fields(wz, spec_file):
@@ -389,16 +391,30 @@ def test_events_follow_json_lines_and_timeout(wz, acme):
     assert json.loads(lines[-1])["error"]["exit_code"] == cli.EXIT_TIMEOUT
 
 
-def test_a_manifest_the_server_does_not_take_says_what_it_looks_like(wz, spec_file):
+def test_a_kubernetes_manifest_is_submitted_and_a_refused_field_is_exit_2(wz, spec_file):
     manifest = ("apiVersion: batch/v1\nkind: Job\nmetadata: {name: train}\n"
-                "spec: {template: {spec: {containers: [{name: t, image: x}]}}}\n")
+                "spec: {template: {spec: {restartPolicy: Never, containers: [{name: t, image: 'pytorch/pytorch:2.4',"
+                " command: [python, train.py], resources: {limits: {nvidia.com/gpu: 2}}}]}}}\n")
     result = wz("submit", spec_file(manifest))
-    if result.code == cli.EXIT_OK:  # issue 14 landed: the server takes Kubernetes manifests
-        return
-    assert result.code == cli.EXIT_USAGE
-    assert "apiVersion: Unknown field." in one_line(result.err)
-    assert result.err.rstrip().endswith("(this looks like a Kubernetes manifest, which this server does not "
-                                        "accept yet)")
+    assert result.code == cli.EXIT_OK, result.err
+    job = wz("show", result.out.strip(), "--json").json
+    assert job["name"] == "train" and job["demand"]["gpus_per_node"] == 2 and job["spec"]["format"] == "kubernetes"
+    refused = wz("submit", spec_file(manifest.replace("restartPolicy: Never,", "volumes: [{name: d}],")))
+    assert refused.code == cli.EXIT_USAGE
+    assert "spec.template.spec.volumes" in one_line(refused.err)
+
+
+def test_dry_run_shows_the_demand_and_what_still_blocks_it(wz, spec_file):
+    task = ("resources: {accelerators: {A100-80GB:2, H100:8}, cpus: 8+}\n"
+            "envs: {HF_TOKEN: null, EPOCHS: 3}\nrun: python train.py --epochs $EPOCHS\n")
+    blocked = wz("submit", "--dry-run", "--json", spec_file(task))
+    assert blocked.code == cli.EXIT_USAGE  # HF_TOKEN must be given at submit time
+    assert blocked.json["format"] == "skypilot" and blocked.json["demand"]["gpu_models"] == ["A100-80GB", "H100-80GB"]
+    assert [p["field"] for p in blocked.json["problems"]] == ["envs.HF_TOKEN"]
+    filled = wz("submit", "--dry-run", "--env", "HF_TOKEN=x", spec_file(task))
+    assert filled.code == cli.EXIT_OK, filled.err
+    assert "warning: resources.accelerators" in filled.err  # H100 is in no pool of acme's
+    assert not wz("ls", "--json").json  # nothing was created
 
 
 # -- the client from Python ------------------------------------------------------------------------

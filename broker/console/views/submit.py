@@ -17,6 +17,8 @@ from rest_framework.throttling import SimpleRateThrottle
 
 from broker.api.jobs import EXAMPLE_SPEC
 from broker.api.parsers import BodyError
+from rest_framework.exceptions import ValidationError
+
 from broker.api.throttles import JobSubmitThrottle
 from broker.billing.api import QuoteThrottle
 from broker.billing.quotes import quote
@@ -25,18 +27,25 @@ from broker.console.forms import (PasteForm, SubmitForm, attach_errors, flat_err
                                   parse_pasted)
 from broker.jobs import selectors, services
 from broker.jobs.services import JobError
-from broker.jobs.spec import GpuCatalog, JobSpecSerializer
+from broker.jobs import intake
+from broker.jobs.spec import GpuCatalog
 from broker.jobs.states import JobState
 
 QUOTE_OPTIONS_SHOWN = 5
 QUOTE_NAME = "quote"  # stands in for a name not typed yet: a quote does not need one
 
 
-def _validate(spec: Any, catalog: GpuCatalog) -> tuple[dict | None, Any]:
-    serializer = JobSpecSerializer(data=spec, context={"gpu_catalog": catalog})
-    if serializer.is_valid():
-        return serializer.validated_data, None
-    return None, serializer.errors
+def _validate(spec: Any, catalog: GpuCatalog, tenant, *, blocking: bool = True
+              ) -> tuple[intake.Submission | None, Any]:
+    """The API's reading of a spec in any format it takes (broker/jobs/intake.py); with `blocking`,
+    what would block a real submission (an env value to supply) is an error too."""
+    try:
+        submission = intake.submission_parse(spec, tenant=tenant, catalog=catalog)
+        if blocking:
+            intake.submission_refuse_problems(submission)
+    except ValidationError as exc:
+        return None, exc.detail
+    return submission, None
 
 
 def _throttled(request: HttpRequest, throttle: SimpleRateThrottle) -> str:
@@ -96,13 +105,13 @@ def submit_page(request: HttpRequest) -> HttpResponse:
         spec, paste_errors = _pasted_spec(paste)
     if spec is None:
         return _page(request, form=form, paste=paste, mode=mode, paste_errors=paste_errors, status=400)
-    validated, errors = _validate(spec, catalog)
+    submission, errors = _validate(spec, catalog, request.console.tenant)
     if errors is not None:
         if mode == "form":
             attach_errors(form, errors)
         return _page(request, form=form, paste=paste, mode=mode, paste_errors=flat_errors(errors), status=400)
     try:
-        job = services.job_submit(tenant=request.console.tenant, owner=request.user, validated=validated)
+        job = services.job_submit(tenant=request.console.tenant, owner=request.user, validated=submission.validated)
     except JobError as exc:  # the team's quota or pending-job limit
         detail = {exc.field: [str(exc)]}
         if mode == "form":
@@ -111,6 +120,8 @@ def submit_page(request: HttpRequest) -> HttpResponse:
                      status=429 if exc.code == "throttled" else 400)
     messages.success(request, f"Job {job.pk} ({job.name}) submitted: it is {JobState.PENDING.label.lower()} "
                               "until the next scheduling cycle places it.")
+    for warning in submission.warnings:
+        messages.warning(request, f"{warning.field}: {warning.message}")
     return redirect("console:job", pk=job.pk)
 
 
@@ -149,9 +160,11 @@ def quote_fragment(request: HttpRequest) -> HttpResponse:
             return fragment(400, errors=[(str(form.fields[name].label) if name in form.fields else "", e)
                                          for name, errs in form.errors.items() for e in errs])
         spec["name"] = spec.get("name") or QUOTE_NAME
-    validated, errors = _validate(spec, catalog)
+    submission, errors = _validate(spec, catalog, request.console.tenant, blocking=False)
     if errors is not None:
         return fragment(400, errors=_labelled(errors, form))
-    result = quote(tenant=request.console.tenant, validated=validated)
+    # The preview of a pasted file: how it was read, and what a submission would still refuse.
+    result = quote(tenant=request.console.tenant, validated=submission.validated)
     return fragment(options=result["options"][:QUOTE_OPTIONS_SHOWN], more=max(0, len(result["options"]) -
-                    QUOTE_OPTIONS_SHOWN), unplaceable=result["unplaceable"], job=result["job"])
+                    QUOTE_OPTIONS_SHOWN), unplaceable=result["unplaceable"], job=result["job"],
+                    spec_format=submission.format, warnings=submission.warnings, problems=submission.problems)
