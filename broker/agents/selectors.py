@@ -88,7 +88,8 @@ def _assignment(allocation: Allocation, gpus: dict[int, str], parts: list[Alloca
         "gpu_milli": job.gpu_milli if 0 < job.gpu_milli <= 1000 else 1000,
         "command": spec.get("command"),
         "image": spec.get("image") or None,
-        "env": spec.get("env") or {},
+        # Secrets go to the job's processes only: never into the stored spec, events or logs.
+        "env": {**(spec.get("env") or {}), **(job.secret_env or {})},
         "checkpoint_uri": job.checkpoint_uri or None,
         "checkpoint_request_id": _checkpoint_request_id(job) if action == "checkpoint" else None,
         # What a (re)start resumes from: the newest committed checkpoint, "" for none (start afresh).

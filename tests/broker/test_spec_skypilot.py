@@ -116,6 +116,23 @@ def test_a_distributed_task_with_alternatives_spot_location_env_and_secrets(mixe
     assert [w["field"] for w in body["warnings"]] == ["resources.disk_size"]
 
 
+def test_secrets_reach_the_job_through_its_assignment_only(acme):
+    from broker.agents.selectors import node_assignments
+    from broker.jobs.models import JobEvent
+    from broker.scheduler.services import scheduling_cycle_run
+
+    resp = post(acme, "resources: {accelerators: A100-80GB:1}\nrun: echo $HF_TOKEN | wc -c\n"
+                      "secrets: {HF_TOKEN: hf_secret_value}\nenvs: {A: b}\n")
+    assert resp.status_code == 201, resp.content
+    scheduling_cycle_run(tenant=acme.tenant)
+    job = Job.objects.get(pk=resp.json()["id"])
+    node = job.allocations.get(active=True).node
+    (assignment,) = node_assignments(node=node)["assignments"]
+    assert assignment["env"] == {"A": "b", "HF_TOKEN": "hf_secret_value"}
+    assert "hf_secret_value" not in str(job.spec) + str(list(JobEvent.objects.filter(job=job).values()))
+    assert "hf_secret_value" not in acme.client.get(f"{URL}{job.pk}/events/").content.decode()
+
+
 def test_alternatives_keep_their_own_counts_and_the_engine_places_the_one_that_fits(mixed):
     from broker.scheduler.services import scheduling_cycle_run
 
