@@ -30,6 +30,7 @@ from typing import Any
 
 from agent.gang import GANG_ENV, Gang
 from agent.isolation import JobUser, job_home, make_job_dir, prepare_work_root, resolve_job_user
+from agent.jobfiles import JobFile, fetch_failure, parse_files, plan, with_fetch
 from agent.procs import catches_signal
 from agent.runtimes import (ImageInvalid, Runtime, container_command, container_name, image_reference,
                             remove_container)
@@ -88,6 +89,8 @@ class Assignment:
     gang: Gang | None = None
     # The container image the job runs in (agent/runtimes.py), checked; None: it runs on the host.
     image: str | None = None
+    # Copied onto the node by the job's own process before its command (agent/jobfiles.py).
+    files: tuple[JobFile, ...] = ()
 
     @classmethod
     def from_json(cls, data: Any) -> "Assignment":
@@ -132,6 +135,7 @@ class Assignment:
             raise AssignmentInvalid("env must map names to string values")
         try:
             gang = None if data.get("gang") is None else Gang.from_json(data["gang"])
+            files = parse_files(data.get("files"), image=image is not None)
         except ValueError as err:
             raise AssignmentInvalid(str(err)) from None
         return cls(
@@ -149,6 +153,7 @@ class Assignment:
             restore_from=restore_from,
             gang=gang,
             image=image,
+            files=files,
         )
 
 
@@ -233,8 +238,10 @@ class JobRunner:
         clock: Callable[[], float] = time.monotonic,
         job_user: JobUser | None = None,
         runtimes: Sequence[Runtime] = (),
+        server_url: str = "",
     ) -> None:
         self.jobs_dir = Path(jobs_dir)
+        self.server_url = server_url  # where a job's `upload:` files come from (agent/fetch.py)
         self.runtimes = tuple(runtimes)  # image jobs run through the first (agent/runtimes.py)
         self.job_user = job_user or resolve_job_user(None)
         self._root_ready = False
@@ -271,8 +278,11 @@ class JobRunner:
                               user=self.job_user)
         argv = ["/bin/sh", "-c", assignment.command] if isinstance(assignment.command, str) else list(assignment.command)
         as_job_user, container = True, None
+        entries, mounts = plan(assignment.files, workdir=workdir)
         if assignment.image is not None:
-            argv, env, as_job_user, container = self._container(assignment, argv, env, workdir)
+            argv, env, as_job_user, container = self._container(assignment, argv, env, workdir, mounts)
+        if entries:
+            argv = self._with_files(assignment, argv, entries, workdir, env, as_job_user=as_job_user)
         status_r, status_w = os.pipe()
         try:
             # O_NOFOLLOW: the folder is the job user's; never write through a link it left there.
@@ -310,8 +320,19 @@ class JobRunner:
                  f" in image {assignment.image} ({argv[0]})" if assignment.image else "")
         return job
 
-    def _container(self, assignment: Assignment, argv: list[str], env: dict[str, str], workdir: Path
-                   ) -> tuple[list[str], dict[str, str], bool, str | None]:
+    def _with_files(self, assignment: Assignment, argv: list[str], entries: list[dict[str, Any]], workdir: Path,
+                    env: Mapping[str, str], *, as_job_user: bool) -> list[str]:
+        """agent/fetch.py in front of `argv` (the runtime's, for an image job: the files are on the
+        host before the container starts). `~` is the HOME the job sees; an image job's is its work dir."""
+        home = str(workdir) if assignment.image is not None else env.get("HOME", str(workdir))
+        try:
+            return with_fetch(argv, entries, workdir=workdir, home=home, server=self.server_url, user=self.job_user,
+                              as_job_user=as_job_user)
+        except (OSError, ValueError) as err:
+            raise JobStartError(str(err)) from None
+
+    def _container(self, assignment: Assignment, argv: list[str], env: dict[str, str], workdir: Path,
+                   mounts: Sequence[Any] = ()) -> tuple[list[str], dict[str, str], bool, str | None]:
         """The runtime's argv for an image job, its client's env, whether the client runs as the job
         user, and the container's name. Never the host: no runtime is a JobStartError."""
         if not self.runtimes:
@@ -332,7 +353,7 @@ class JobRunner:
                 runtime, image=str(assignment.image), command=argv if assignment.command else [], job_env=job_env,
                 client_env=client, workdir=workdir, assignment_id=assignment.id, gpu_indices=assignment.gpu_indices,
                 gpu_uuids=assignment.gpu_uuids, uid=self.job_user.uid, gid=self.job_user.gid,
-                agent_is_root=os.geteuid() == 0)
+                agent_is_root=os.geteuid() == 0, mounts=[(str(m.host), m.container) for m in mounts])
         except ValueError as err:
             raise JobStartError(str(err)) from None
         if command.name is not None:
@@ -490,6 +511,10 @@ def _exit_of(job: RunningJob, code: int) -> JobExit:
     if code < 0:
         return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"killed by signal {_signal_name(-code)}", "signal",
                        a.gpu_indices, tail)
+    fetch = fetch_failure(tail) if a.files and code == 125 else None
+    if fetch is not None:  # agent/fetch.py: the job's command never ran
+        return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"fetching the job's files failed: {fetch}",
+                       "exit_code", a.gpu_indices, tail)
     if job.container and code == 125:  # podman's and docker's own failure: the image never ran (pull, GPUs...)
         return JobExit(a.id, a.job_id, a.epoch, "failed", code, f"the container runtime could not run image "
                        f"{a.image} (exit code 125; its output says why)", "exit_code", a.gpu_indices, tail)

@@ -104,7 +104,7 @@ class Agent:
         self.job_user = resolve_job_user(config.job_user)
         self.runtimes = detect_runtimes(config.container_runtimes)  # raises ValueError: a usage error
         self.runner = JobRunner(work_dir, base_env=base_env, stop_grace_s=config.stop_grace_s, clock=clock,
-                                job_user=self.job_user, runtimes=self.runtimes)
+                                job_user=self.job_user, runtimes=self.runtimes, server_url=config.server_url)
         self.runner.prepare()
         self.backoff = Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_cap_s, rng=rng)
         self.fence = SelfFence(config.fence_after_s, clock)  # raises ValueError: a usage error

@@ -226,14 +226,16 @@ def container_command(
     runtime: Runtime, *, image: str, command: Sequence[str], job_env: Mapping[str, str],
     client_env: Mapping[str, str], workdir: Path, assignment_id: str, gpu_indices: Sequence[int],
     gpu_uuids: Sequence[str] | None, uid: int, gid: int, agent_is_root: bool,
+    mounts: Sequence[tuple[str, str]] = (),
 ) -> ContainerCommand:
     """The argv (and the client's environment) that runs `command` in `image` with the job's GPUs.
 
     `job_env`: what the job sees (its own env and the agent's WHALEZEN_* / CUDA_* variables);
     `client_env`: the agent's sanitised environment, for the runtime binary itself. An empty
     `command` runs the image's own entrypoint; a command replaces it (as a Kubernetes `command`
-    does). Raises ImageInvalid for a .sif path given to podman/docker, and ValueError for GPUs a
-    runtime without the NVIDIA toolkit cannot give."""
+    does). `mounts`: (host path, container path) pairs bind-mounted read-write (the job's files
+    with absolute destinations, agent/jobfiles.py). Raises ImageInvalid for a .sif path given to
+    podman/docker, and ValueError for GPUs a runtime without the NVIDIA toolkit cannot give."""
     if gpu_indices and runtime.gpu_mode == GPU_NONE:
         raise ValueError(f"{runtime.name} on this node has no NVIDIA container toolkit (no CDI spec, no nvidia-ctk): "
                          "it cannot give the job its GPUs")
@@ -243,9 +245,9 @@ def container_command(
     if runtime.oci:
         return _oci_command(runtime, image=image, command=command, job_env=job_env, client_env=client_env,
                             workdir=workdir, assignment_id=assignment_id, gpu_indices=gpu_indices,
-                            gpu_uuids=gpu_uuids, uid=uid, gid=gid, agent_is_root=agent_is_root)
+                            gpu_uuids=gpu_uuids, uid=uid, gid=gid, agent_is_root=agent_is_root, mounts=mounts)
     return _apptainer_command(runtime, image=image, command=command, job_env=job_env, client_env=client_env,
-                              workdir=workdir)
+                              workdir=workdir, mounts=mounts)
 
 
 def _gpu_ids(gpu_indices: Sequence[int], gpu_uuids: Sequence[str] | None) -> list[str]:
@@ -257,7 +259,7 @@ def _gpu_ids(gpu_indices: Sequence[int], gpu_uuids: Sequence[str] | None) -> lis
 def _oci_command(
     runtime: Runtime, *, image: str, command: Sequence[str], job_env: Mapping[str, str],
     client_env: Mapping[str, str], workdir: Path, assignment_id: str, gpu_indices: Sequence[int],
-    gpu_uuids: Sequence[str] | None, uid: int, gid: int, agent_is_root: bool,
+    gpu_uuids: Sequence[str] | None, uid: int, gid: int, agent_is_root: bool, mounts: Sequence[tuple[str, str]] = (),
 ) -> ContainerCommand:
     if image.startswith("/"):
         raise ImageInvalid(f"{runtime.name} cannot run a .sif file; it needs a registry image")
@@ -265,6 +267,8 @@ def _oci_command(
     wd = str(workdir)
     argv = [runtime.path, "run", "--rm", "--name", name, "--init", "--pull", "missing",
             "--volume", f"{wd}:{wd}", "--workdir", wd, "--security-opt", "no-new-privileges"]
+    for host, inside_path in mounts:
+        argv += ["--volume", f"{host}:{inside_path}"]
     if runtime.name == "podman":
         # SELinux would deny the container the GPU device nodes and the mounted work dir.
         argv += ["--security-opt", "label=disable"]
@@ -315,7 +319,7 @@ def _without_gpu_selectors(job_env: Mapping[str, str], assignment_id: str | None
 
 def _apptainer_command(
     runtime: Runtime, *, image: str, command: Sequence[str], job_env: Mapping[str, str],
-    client_env: Mapping[str, str], workdir: Path,
+    client_env: Mapping[str, str], workdir: Path, mounts: Sequence[tuple[str, str]] = (),
 ) -> ContainerCommand:
     wd = str(workdir)
     source = image if image.startswith("/") or "://" in image else f"docker://{image}"
@@ -324,6 +328,8 @@ def _apptainer_command(
     # variables go in. --contain: no host /tmp or home; the work dir is the job's home and cwd.
     argv = [runtime.path, "exec" if command else "run", "--contain", "--cleanenv", "--home", f"{wd}:{wd}",
             "--pwd", wd]
+    for host, inside_path in mounts:
+        argv += ["--bind", f"{host}:{inside_path}"]
     if runtime.gpu_mode == GPU_NV and "CUDA_VISIBLE_DEVICES" in job_env and job_env["CUDA_VISIBLE_DEVICES"]:
         argv.append("--nv")
     env = {k: v for k, v in client_env.items() if not k.startswith(("APPTAINERENV_", "SINGULARITYENV_"))}

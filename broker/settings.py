@@ -301,6 +301,17 @@ WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS = float(os.environ.get("WHALEZEN_MIGRATI
 # Where the broker reads s3:// checkpoints to verify them (None: AWS itself; set for MinIO or moto).
 WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL = os.environ.get("WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL") or None
 DATA_UPLOAD_MAX_MEMORY_SIZE = WHALEZEN_MAX_BODY_BYTES
+# Uploads (broker/jobs/uploads.py, docs/job-spec.md "Uploads"): the tar.gz archives `whalezen submit` sends of a
+# SkyPilot task's local workdir / file_mounts. Their route streams the body to disk (the body limit above does not
+# apply to it); blobs live under WHALEZEN_UPLOAD_DIR, never in the database.
+WHALEZEN_UPLOAD_DIR = Path(os.environ.get("WHALEZEN_UPLOAD_DIR", VAR_DIR / "uploads"))
+WHALEZEN_MAX_UPLOAD_BYTES = int(os.environ.get("WHALEZEN_MAX_UPLOAD_BYTES", 64 * 1024 * 1024))
+WHALEZEN_MAX_UPLOADS_PER_TENANT = int(os.environ.get("WHALEZEN_MAX_UPLOADS_PER_TENANT", 500))
+WHALEZEN_MAX_UPLOAD_BYTES_PER_TENANT = int(os.environ.get("WHALEZEN_MAX_UPLOAD_BYTES_PER_TENANT", 10 * 1024 ** 3))
+# An upload no unfinished job names is deleted this long after it was sent.
+WHALEZEN_UPLOAD_EXPIRY_DAYS = float(os.environ.get("WHALEZEN_UPLOAD_EXPIRY_DAYS", 7))
+# How long the token in a job's assignment may download its upload (the job fetches it as it starts).
+WHALEZEN_UPLOAD_TOKEN_SECONDS = int(os.environ.get("WHALEZEN_UPLOAD_TOKEN_SECONDS", 24 * 3600))
 
 # Task queue: Redis when REDIS_URL is set, otherwise Celery's file-system transport under var/.
 CELERY_TASK_ALWAYS_EAGER = os.environ.get("WHALEZEN_TASKS_EAGER", "0") == "1"
@@ -342,6 +353,8 @@ CELERY_BEAT_SCHEDULE = {
     # Usage records, utilisation samples and budget alerts (broker/billing): the price of an allocation is
     # fixed by the first run after it starts, so keep this short.
     "billing-meter": {"task": "billing.meter", "schedule": float(os.environ.get("WHALEZEN_BILLING_METER_SECONDS", 60))},
+    # Uploads no unfinished job names, older than WHALEZEN_UPLOAD_EXPIRY_DAYS (broker/jobs/uploads.py).
+    "uploads-expire": {"task": "uploads.expire", "schedule": 3600.0},
 }
 # GPU readings of nodes without the WhaleZen agent, from a site's Prometheus scraping dcgm-exporter
 # (broker/agents/prometheus_telemetry.py). Empty: off.

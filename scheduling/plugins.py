@@ -174,7 +174,12 @@ def _tenant_budget(job: JobDemand, part: PartDemand, target: Target, ctx: Filter
 def _gpus_phrase(job: JobDemand, n: int) -> str:
     if job.gpu_milli < WHOLE_GPU_MILLI and job.gpus <= 1:
         return f"{n} have no GPU with {job.gpu_milli / WHOLE_GPU_MILLI:g} of a GPU free"
-    wanted = job.gpus if job.compute_units is None else f"{job.compute_units:g} CU of"
+    if job.gpus_by_model and job.compute_units is None:
+        nodes = max(1, job.nodes)
+        wanted = ", ".join(f"{model}:{count // nodes}" for model, count in job.gpus_by_model)
+        return f"{n} have fewer free GPUs per node than any alternative needs ({wanted})"
+    # `gpus` counts every node's GPUs together; the phrase is about one node.
+    wanted = job.gpus // max(1, job.nodes) if job.compute_units is None else f"{job.compute_units:g} CU of"
     return f"{n} have fewer than {wanted} free GPUs per node"
 
 

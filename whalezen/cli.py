@@ -19,9 +19,10 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import IO, Any
 
-from whalezen import __version__, config, errors, specfile
+from whalezen import __version__, config, errors, specfile, uploads
 from whalezen.client import DEFAULT_TIMEOUT_S, Client, normalise_url
 from whalezen.types import RUNNING_STATES, TERMINAL_STATES, Job, JobEvent
 
@@ -331,24 +332,77 @@ def _show_remarks(out: Out, body: dict[str, Any]) -> None:
         out.note(f"warning: {remark['field']}: {remark['message']}")
 
 
-def cmd_submit(ctx: Context) -> int:
-    args, out = ctx.args, ctx.out
-    spec = _with_env(_with_env(_read_spec(args.file), args.env, secret=False), args.secret, secret=True)
-    if args.dry_run:
+def _pack_local(ctx: Context, spec: dict[str, Any]) -> list[uploads.Packed]:
+    """A SkyPilot task's local workdir and file_mounts sources, packed (whalezen/uploads.py); exit 2 when
+    one is missing or over the limits."""
+    if ctx.args.format == "kubernetes":
+        return []
+    packed: list[uploads.Packed] = []
+    try:
+        for source in uploads.local_sources(spec, cwd=Path.cwd()):
+            packed.append(uploads.pack(source, max_bytes=uploads.max_upload_bytes(ctx.env)))
+    except (uploads.PackError, OSError) as exc:
+        for done in packed:
+            done.discard()
+        reason = exc if isinstance(exc, uploads.PackError) else f"{exc.filename}: {exc.strerror or exc}"
+        raise CliError(f"cannot upload {reason}", EXIT_USAGE) from None
+    return packed
+
+
+def _upload_all(ctx: Context, spec: dict[str, Any], packed: list[uploads.Packed]) -> dict[str, Any]:
+    ids: dict[str, str] = {}
+    for item in packed:
+        for skipped in item.skipped:
+            ctx.out.note(f"note: {item.source.field}: left out {skipped}")
         try:
-            result = ctx.client.submit_dry_run(spec, format=args.format)
+            answer = ctx.client.upload(item.archive, kind=item.kind, sha256=item.sha256)
         except errors.BadRequest as exc:
-            raise _spec_refused(args.file, exc) from None
-        if out.json_mode:
-            out.json(result)
-        else:
-            out.line(json.dumps({"format": result["format"], "demand": result["demand"], "spec": result["spec"]},
-                                indent=2))
-            _show_remarks(out, result)
-            for problem in result.get("problems") or []:
-                out.note(f"problem: {problem['field']}: {problem['message']}")
-        return EXIT_USAGE if result.get("problems") else EXIT_OK
-    return _cmd_submit(ctx, spec)
+            raise CliError(f"upload of {item.source.field} {item.source.given} refused: {exc.detail}", EXIT_USAGE,
+                           fields=exc.fields, status=exc.status) from None
+        ids[item.source.field] = answer["id"]
+        if not ctx.out.json_mode:
+            ctx.out.note(f"uploaded {uploads.describe(item)} as upload:{answer['id']}")
+    return uploads.with_uploads(spec, ids)
+
+
+def cmd_submit(ctx: Context) -> int:
+    args = ctx.args
+    spec = _with_env(_with_env(_read_spec(args.file), args.env, secret=False), args.secret, secret=True)
+    packed = _pack_local(ctx, spec)
+    try:
+        if args.dry_run:
+            return _dry_run(ctx, spec, packed)
+        if packed:
+            spec = _upload_all(ctx, spec, packed)
+        return _cmd_submit(ctx, spec)
+    finally:
+        for item in packed:
+            item.discard()
+
+
+def _dry_run(ctx: Context, spec: dict[str, Any], packed: list[uploads.Packed]) -> int:
+    args, out = ctx.args, ctx.out
+    try:
+        result = ctx.client.submit_dry_run(spec, format=args.format)
+    except errors.BadRequest as exc:
+        raise _spec_refused(args.file, exc) from None
+    # What a real submission uploads is no problem: the server only sees a local path it cannot read.
+    uploaded = {item.source.field for item in packed}
+    result["problems"] = [p for p in result.get("problems") or [] if p.get("field") not in uploaded]
+    result["uploads"] = [{"field": item.source.field, "path": str(item.source.path), "kind": item.kind,
+                          "files": item.files, "unpacked_bytes": item.unpacked_bytes, "size_bytes": item.size_bytes}
+                         for item in packed]
+    if out.json_mode:
+        out.json(result)
+    else:
+        out.line(json.dumps({"format": result["format"], "demand": result["demand"], "spec": result["spec"]},
+                            indent=2))
+        for item in packed:
+            out.note(f"would upload {uploads.describe(item)} (nothing sent in a dry run)")
+        _show_remarks(out, result)
+        for problem in result["problems"]:
+            out.note(f"problem: {problem['field']}: {problem['message']}")
+    return EXIT_USAGE if result["problems"] else EXIT_OK
 
 
 def _cmd_submit(ctx: Context, spec: dict[str, Any]) -> int:

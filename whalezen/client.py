@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
 import time
@@ -116,6 +117,22 @@ class Client:
         problems}; `problems` would block a real submission (an env value still to supply)."""
         params = {"dry_run": "1", **({"spec_format": format} if format else {})}
         return cast(dict, self._request("POST", "/jobs/", params=params, body=dict(spec)))
+
+    def upload(self, archive: str | os.PathLike[str], *, kind: str = "tree", sha256: str | None = None
+               ) -> dict[str, Any]:
+        """Upload a tar.gz (`POST /api/v1/uploads/`, streamed from the file): {id, sha256, size_bytes, ...};
+        name it in a job's files as `upload:<id>`. kind "file": the archive holds one file, written at
+        the destination itself. Not retried."""
+        url = self.url + API_PREFIX + "/uploads/" + _query({"kind": kind})
+        size = os.path.getsize(archive)
+        headers = {"Accept": "application/json", "User-Agent": self.user_agent, "Content-Type": "application/gzip",
+                   "Content-Length": str(size)}
+        if sha256:
+            headers["X-Content-SHA256"] = sha256
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        with open(archive, "rb") as body:
+            return cast(dict, self._once("POST", url, "/uploads/", body, headers))  # type: ignore[arg-type]
 
     def cancel(self, job_id: int) -> Job:
         return cast(Job, self._post(f"/jobs/{_id(job_id)}/cancel/"))

@@ -90,6 +90,9 @@ def _assignment(allocation: Allocation, gpus: dict[int, str], parts: list[Alloca
         "image": spec.get("image") or None,
         # Secrets go to the job's processes only: never into the stored spec, events or logs.
         "env": {**(spec.get("env") or {}), **(job.secret_env or {})},
+        # Copied onto the node by the job's own process before its command (agent/fetch.py); an
+        # upload comes with a token that fetches only that upload, for this job.
+        **({"files": _files(job, spec["files"])} if spec.get("files") else {}),
         "checkpoint_uri": job.checkpoint_uri or None,
         "checkpoint_request_id": _checkpoint_request_id(job) if action == "checkpoint" else None,
         # What a (re)start resumes from: the newest committed checkpoint, "" for none (start afresh).
@@ -97,6 +100,18 @@ def _assignment(allocation: Allocation, gpus: dict[int, str], parts: list[Alloca
         # Rank, peers, MASTER_PORT (broker/agents/gang.py); for a single-node job, a gang of one.
         "gang": gang_assignment(allocation=allocation, parts=parts, gpus_per_node=len(indices)),
     }
+
+
+def _files(job, files: list[dict]) -> list[dict]:
+    from broker.jobs.uploads import upload_download_token
+
+    out = []
+    for entry in files:
+        item = {"source": entry["source"], "destination": entry["destination"]}
+        if entry["source"].startswith("upload:"):
+            item["token"] = upload_download_token(entry["source"][len("upload:"):], job.pk)
+        out.append(item)
+    return out
 
 
 def _restore_from(job) -> str:

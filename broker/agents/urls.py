@@ -1,7 +1,7 @@
 """Mounted at /api/v1/agent/ (see broker/urls.py)."""
-from django.urls import path, register_converter
+from django.urls import path, re_path, register_converter
 
-from broker.agents.views import AssignmentsView, HeartbeatView, RegisterView, StatusView
+from broker.agents.views import AssignmentsView, HeartbeatView, RegisterView, StatusView, UploadDownloadView
 
 
 class AssignmentIdConverter:
@@ -25,4 +25,6 @@ urlpatterns = [
     path("heartbeat", HeartbeatView.as_view(), name="heartbeat"),
     path("assignments", AssignmentsView.as_view(), name="assignments"),
     path("assignments/<assignment_id:assignment_id>/status", StatusView.as_view(), name="status"),
+    # A job's upload:<id> file (agent/fetch_upload.py); the id is 32 lowercase hex digits, else 404.
+    re_path(r"^uploads/(?P<upload_id>[0-9a-f]{32})$", UploadDownloadView.as_view(), name="upload"),
 ]

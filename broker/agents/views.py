@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -80,3 +81,43 @@ class StatusView(_NodeView):
         if report is None:  # the job had finished: nothing recorded; 200 so the agent drops the report
             return Response({"ok": True, "state": serializer.validated_data["state"], "recorded": False})
         return Response({"ok": True, "state": report.state, "recorded": True})
+
+
+class _AnyAccept(DefaultContentNegotiation):
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
+@extend_schema(exclude=True)
+class UploadDownloadView(APIView):
+    """An upload's blob, for the job that names it (agent/fetch_upload.py). The credential is the
+    `Authorization: Upload <token>` of the job's assignment (broker/jobs/uploads.py): the job's own
+    process fetches its files as the job user, who holds no node token."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+    content_negotiation_class = _AnyAccept  # the blob whatever Accept says; errors in JSON
+
+    def get(self, request: Request, upload_id: str):
+        from django.http import FileResponse
+
+        from broker.jobs.models import Upload
+        from broker.jobs.uploads import UploadDenied, blob_path, upload_for_download
+
+        scheme, _, token = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if scheme != "Upload" or not token.strip():
+            return Response({"detail": "Send the job's download token: Authorization: Upload <token>."},
+                            status=status.HTTP_403_FORBIDDEN)
+        try:
+            upload = upload_for_download(upload_id, token.strip())
+            blob = blob_path(upload).open("rb")
+        except UploadDenied as err:
+            return Response({"detail": str(err)}, status=status.HTTP_403_FORBIDDEN)
+        except (Upload.DoesNotExist, FileNotFoundError):
+            return Response({"detail": "No such upload (deleted, or expired)."}, status=status.HTTP_404_NOT_FOUND)
+        response = FileResponse(blob, content_type="application/gzip")
+        response["Content-Length"] = str(upload.size_bytes)
+        response["X-Content-SHA256"] = upload.sha256
+        response["X-WhaleZen-Upload-Kind"] = upload.kind
+        response["X-WhaleZen-Unpacked-Bytes"] = str(upload.unpacked_bytes)
+        return response

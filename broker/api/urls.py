@@ -5,6 +5,7 @@ from rest_framework.routers import DefaultRouter
 from broker.api.inventory import GpuModelViewSet, NodeViewSet, PoolViewSet, QuotaView
 from broker.api.jobs import JobViewSet
 from broker.api.tokens import TokenViewSet
+from broker.api.uploads import UploadViewSet
 from broker.billing.api import (BudgetView, CostsView, QuoteView, SavingsView, StatementDetailView,
                                StatementListView)
 
@@ -15,6 +16,7 @@ router.register("gpu-models", GpuModelViewSet, basename="gpu-model")
 router.register("pools", PoolViewSet, basename="pool")
 router.register("nodes", NodeViewSet, basename="node")
 router.register("tokens", TokenViewSet, basename="token")
+router.register("uploads", UploadViewSet, basename="upload")
 
 urlpatterns = [
     path("quota/", QuotaView.as_view(), name="quota"),

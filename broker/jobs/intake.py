@@ -5,6 +5,7 @@ Every way in (the jobs API, quotes, the console's form and YAML paste) goes thro
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,9 @@ from broker.jobs.selectors import gpu_catalog
 from broker.jobs.spec import Demand, GpuCatalog, JobSpecSerializer
 from broker.tenancy.models import Tenant
 
-REACHABLE_CACHE_SECONDS = 15  # a new pool or node is seen by submissions within this
+REACHABLE_CACHE_SECONDS = 15
+# A field path's parts: dots separate them, except inside [...] (`file_mounts[~/vocab.txt].mode`).
+_PATH_PART = re.compile(r"(?:[^.\[]|\[[^\]]*\])+")  # a new pool or node is seen by submissions within this
 
 
 @dataclass
@@ -52,6 +55,7 @@ def submission_parse(data: Any, *, tenant: Tenant, declared: str | None = None,
     submission = Submission(format=fmt, validated=validated, warnings=list(translation.warnings),
                             problems=list(translation.problems))
     _check_reach(submission, tenant)
+    _check_uploads(submission, tenant)
     return submission
 
 
@@ -66,7 +70,11 @@ def nested_errors(flat: dict[str, str]) -> dict[str, Any]:
     gives for native fields (clients show both as `resources.cpus`)."""
     out: dict[str, Any] = {}
     for path, message in flat.items():
-        *parents, leaf = path.split(".")
+        parts = _PATH_PART.findall(path) or [path]
+        head = re.match(r"^([^\[]+)(\[.*\])$", parts[0])
+        if head:  # a top-level key is a request field: `files[0]` -> files, [0]
+            parts[:1] = [head.group(1), head.group(2)]
+        *parents, leaf = parts
         node = out
         for part in parents:
             child = node.setdefault(part, {})
@@ -126,6 +134,17 @@ def _check_reach(submission: Submission, tenant: Tenant) -> None:
                                                             f"only run on the other models. {hint}"))
         return
     submission.problems.append(FieldProblem(field_name, f"No pool of this team has {named}. {hint}"))
+
+
+def _check_uploads(submission: Submission, tenant: Tenant) -> None:
+    """An `upload:` source must be one of this team's uploads (another team's is as unknown as none)."""
+    for number, entry in enumerate(submission.validated.get("files", [])):
+        if entry["source"].startswith("upload:"):
+            from broker.jobs.uploads import upload_check
+
+            problem = upload_check(tenant, entry["source"][len("upload:"):])
+            if problem:
+                submission.problems.append(FieldProblem(f"files[{number}].source", problem))
 
 
 def _spellings(resources: dict[str, Any]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 from broker.inventory.models import Gpu, Node
 from broker.jobs.states import JobState
@@ -226,3 +227,32 @@ class Migration(models.Model):
         if self.checkpointed_at is None or self.running_at is None:
             return None
         return max(0.0, (self.running_at - self.checkpointed_at).total_seconds())
+
+
+class UploadKind(models.TextChoices):
+    TREE = "tree", "A folder (unpacked into the destination)"
+    FILE = "file", "One file (written at the destination)"
+
+
+class Upload(models.Model):
+    """A tar.gz sent with a submission (a SkyPilot workdir or local file_mounts source), named by jobs'
+    `files` as `upload:<id>`. The blob is on disk, never in the database (broker/jobs/uploads.py)."""
+
+    id = models.CharField(primary_key=True, max_length=32, editable=False)  # 32 random hex digits
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="uploads")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="uploads")
+    kind = models.CharField(max_length=8, choices=UploadKind.choices, default=UploadKind.TREE)
+    sha256 = models.CharField(max_length=64)
+    size_bytes = models.PositiveBigIntegerField()
+    unpacked_bytes = models.PositiveBigIntegerField(default=0)
+    members = models.PositiveIntegerField(default=0)
+    # When it was (last) sent: the expiry counts from here. Not auto_now_add: sending the same archive
+    # again moves it.
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["tenant", "sha256"])]
+
+    def __str__(self) -> str:
+        return f"upload {self.id} ({self.size_bytes} bytes)"

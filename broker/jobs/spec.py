@@ -371,6 +371,31 @@ class CheckpointSerializer(StrictSerializer):
         return value
 
 
+FILE_SOURCE_RE = re.compile(r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^\x00]*)?|gs://[a-z0-9][a-z0-9._\-]{1,220}"
+                            r"(/[^\x00]*)?|upload:[0-9a-f]{32})$")
+MAX_FILES = 64
+
+
+class FileSerializer(StrictSerializer):
+    source = StrictCharField(max_length=1024, help_text="s3://bucket/key-or-prefix, gs://bucket/key-or-prefix, "
+                                                        "or upload:<id> (POST /api/v1/uploads/).")
+    destination = StrictCharField(max_length=1024, help_text="~/path or a relative path (under the job's home); "
+                                                             "an absolute path only for a job with an image.")
+
+    def validate_source(self, value: str) -> str:
+        if not FILE_SOURCE_RE.match(value):
+            raise serializers.ValidationError("Must be s3://bucket[/key], gs://bucket[/key] or upload:<32 hex>.")
+        return value
+
+    def validate_destination(self, value: str) -> str:
+        parts = value.split("/")
+        if "\x00" in value or ".." in parts:
+            raise serializers.ValidationError("Must not contain '..' segments or NUL bytes.")
+        if value in ("~", "~/", "/", ".") or (value.startswith("~") and not value.startswith("~/")):
+            raise serializers.ValidationError('Name a folder or file, e.g. "~/data" or "/data".')
+        return value
+
+
 class JobSpecSerializer(StrictSerializer):
     name = StrictCharField(max_length=200)
     command = serializers.ListField(child=StrictCharField(max_length=8192, allow_blank=True), required=False,
@@ -387,6 +412,8 @@ class JobSpecSerializer(StrictSerializer):
     resources = ResourcesSerializer()
     placement = PlacementSerializer(required=False)
     checkpoint = CheckpointSerializer(required=False)
+    files = FileSerializer(many=True, required=False, max_length=MAX_FILES,
+                           help_text="Copied onto every node before the command runs (docs/job-spec.md).")
 
     def validate_name(self, value: str) -> str:
         if not NAME_RE.match(value):
@@ -423,6 +450,11 @@ class JobSpecSerializer(StrictSerializer):
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if "command" not in attrs and "image" not in attrs:
             raise serializers.ValidationError({"command": "Give a command, an image, or both."})
+        absolute = [f["destination"] for f in attrs.get("files", []) if f["destination"].startswith("/")]
+        if absolute and "image" not in attrs:
+            raise serializers.ValidationError({"files": f"{quoted(absolute[0])}: an absolute destination needs an "
+                                                        "image (it is mounted into the container); use ~/... for a "
+                                                        "job on the host."})
         clash = sorted(set(attrs.get("env", {})) & set(attrs.get("secrets", {})))
         if clash:
             raise serializers.ValidationError({"secrets": f"{quoted(clash[0])} is in env too; give it once."})

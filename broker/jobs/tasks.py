@@ -18,3 +18,11 @@ def sweep_checkpoints() -> None:
     moves whose source never confirmed its stop, or whose job ended."""
     checkpoints_sweep()
     migrations_sweep()
+
+
+@shared_task(name="uploads.expire", ignore_result=True)
+def expire_uploads() -> None:
+    """Periodic: delete uploads no unfinished job names once they are WHALEZEN_UPLOAD_EXPIRY_DAYS old."""
+    from broker.jobs.uploads import uploads_expire
+
+    uploads_expire()

@@ -83,9 +83,11 @@ def start_demo_agents(*, server_url: str, log=lambda message: None) -> list[tupl
         for node in nodes:
             spec = wanted[node.name]
             count = spec.split("x", 1)[0]
+            # The demo's SXM nodes sit on InfiniBand, as such clusters do: multi-node jobs can run there.
+            fabric = ("infiniband",) if "-SXM" in spec else ()
             shapes.append((node, LocalShape(instance_type=f"sim-{node.name}", fake_gpus=spec, gpu_model="",
                                             gpu_count=int(count) if count.isdecimal() else 0, gpu_memory_mib=0,
-                                            vcpus=0, memory_gib=0)))
+                                            vcpus=0, memory_gib=0, fabric=fabric)))
         provider = demo_provider(pool)
         provider.shapes = {shape.instance_type: shape for _, shape in shapes}
         for node, shape in shapes:

@@ -106,6 +106,7 @@ JOIN_TOKEN_ENV = "WHALEZEN_JOIN_TOKEN"
 
 
 INSTANCE_SCRIPT = Path(__file__).resolve().with_name("instance.py")
+FAST_FABRIC_NAMES = ("infiniband", "efa", "roce", "gpudirect-tcpx")
 SPOT_NOTICE_SECONDS = 120.0  # what AWS gives
 
 
@@ -123,6 +124,11 @@ def agent_command(python: str, state_root: str | os.PathLike[str] | None = None)
             argv += ["--state-dir", str(Path(state_root) / name)]
         if metadata_url is not None:
             argv += ["--spot-notice", "local", "--metadata-url", metadata_url]
+        # The node says what its offer said: a shape sold with a fast fabric is a node on one (the
+        # `fabric` label the scheduler reads for multi-node jobs).
+        fast = [f for f in shape.fabric if f in FAST_FABRIC_NAMES]
+        if fast:
+            argv += ["--label", f"fabric={fast[0]}"]
         return argv
 
     return build

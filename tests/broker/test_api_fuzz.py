@@ -18,7 +18,10 @@ are bounded (FUZZ_EXAMPLES). Runs on SQLite, and on PostgreSQL when DATABASE_URL
 """
 from __future__ import annotations
 
+import gzip
+import io
 import re
+import tarfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from datetime import timezone as dt_timezone
@@ -54,6 +57,17 @@ schema = schemathesis.openapi.from_wsgi("/api/schema/", application)
 # The coverage phase enumerates boundary values without a bound (~1,500 calls for POST /jobs/ alone);
 # schema examples plus a bounded, derandomized fuzzing phase keep the run reproducible and short.
 schema.config.phases.update(phases=["examples", "fuzzing"])
+# POST /api/v1/uploads/ takes a raw tar.gz: random bytes, and a real archive now and then.
+def _tar_gz() -> bytes:
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as zipped, tarfile.open(fileobj=zipped, mode="w") as tar:
+        info = tarfile.TarInfo("train.py")
+        info.size = 9
+        tar.addfile(info, io.BytesIO(b"print(1)\n"))
+    return buffer.getvalue()
+
+
+schemathesis.openapi.media_type("application/gzip", st.one_of(st.binary(max_size=512), st.just(_tar_gz())))
 
 # Not used: `positive_data_acceptance` / `negative_data_rejection`. They flag valid-but-unknown references
 # (e.g. `?pool=0` answers 400 "Select a valid choice") and DRF's documented leniency on pagination
@@ -160,7 +174,8 @@ def forget_submissions(*tenants: Tenant) -> None:
 
 
 @pytest.fixture
-def fuzz_world(acme: TenantWorld, globex: TenantWorld):
+def fuzz_world(acme: TenantWorld, globex: TenantWorld, settings, tmp_path):
+    settings.WHALEZEN_UPLOAD_DIR = tmp_path / "uploads"  # uploads the run makes are not kept in var/
     forget_submissions(acme.tenant, globex.tenant)
     # Seed through the real API before the WSGI calls start (the Django test client re-enables the signal
     # handler we switch off below after each of its requests).
@@ -196,6 +211,7 @@ def request_fields(case) -> set[str]:
     """Names a 400 body may use for this request: the documented body properties, what was sent."""
     names = set(GENERIC_ERROR_KEYS)
     names |= set(case.query or {})
+    names |= set(case.headers or {})  # a header the route reads is named as itself (X-Content-SHA256)
     if isinstance(case.body, dict):
         names |= set(case.body)
     # A body declared as another format (?spec_format=) is answered in that format's fields.

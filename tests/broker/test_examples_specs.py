@@ -15,6 +15,7 @@ URL = "/api/v1/jobs/?dry_run=1"
     ("job-kubernetes-style.json", "whalezen", []),
     ("skypilot-task.yaml", "skypilot", ["envs.RUN_NAME"]),  # --env RUN_NAME=... at submit time
     ("kubernetes-job.yaml", "kubernetes", []),
+    ("skypilot-gang.yaml", "skypilot", ["envs.EXAMPLES"]),  # --env EXAMPLES=$PWD/examples
 ])
 def test_each_example_is_read_as_its_format(acme, name, fmt, problems):
     text = (EXAMPLES / name).read_text()

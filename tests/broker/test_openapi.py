@@ -7,6 +7,8 @@ import pytest
 import yaml
 from openapi_spec_validator import validate
 
+from broker.jobs.models import Upload
+
 
 @pytest.fixture
 def schema(client) -> dict:
@@ -28,7 +30,9 @@ def test_every_documented_route_exists(schema, acme):
     job = submit(acme)
     ids = {"jobs": job.pk, "pools": acme.pool.pk, "nodes": acme.nodes[0].pk,
            "tokens": acme.client.get("/api/v1/tokens/").json()["results"][0]["id"],
-           "gpu-models": acme.client.get("/api/v1/gpu-models/").json()["results"][0]["id"]}
+           "gpu-models": acme.client.get("/api/v1/gpu-models/").json()["results"][0]["id"],
+           "uploads": Upload.objects.create(id="ab" * 16, tenant=acme.tenant, owner=acme.admin, sha256="0" * 64,
+                                            size_bytes=1).pk}
     documented = list(schema["paths"])
     assert {"/api/v1/jobs/", "/api/v1/jobs/{id}/events/", "/api/v1/jobs/{id}/cancel/", "/api/v1/quota/",
             "/api/v1/tokens/", "/api/v1/nodes/", "/api/v1/pools/", "/api/v1/gpu-models/"} <= set(documented)

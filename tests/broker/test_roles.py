@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
 from broker.api.urls import router
-from broker.jobs.models import Job, JobEvent
+from broker.jobs.models import Job, JobEvent, Upload
 from broker.tenancy.models import ApiToken, Role
 from broker.tenancy.services import api_token_create, membership_add
 
@@ -127,6 +127,8 @@ def test_every_write_on_an_object_refuses_a_member_who_does_not_own_it(acme, col
     objects = {
         "job": ("jobs", colleague["job"].pk),
         "token": ("tokens", ApiToken.objects.get(user=colleague["user"], name="colleague").pk),
+        "upload": ("uploads", Upload.objects.create(id="cd" * 16, tenant=acme.tenant, owner=colleague["user"],
+                                                    sha256="0" * 64, size_bytes=1).pk),
     }
     writes = _detail_writes()
     assert {b for b, _, _ in writes} <= set(objects), "a new viewset with object writes: add it here"

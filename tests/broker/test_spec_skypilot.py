@@ -386,3 +386,80 @@ def test_another_teams_gpus_are_not_reachable(acme, globex, gpu_models):
 def test_the_yaml_flow_set_parses_as_keys_without_values():
     # What the API's YAML parser gives for SkyPilot's `{L4:8, A100:4}` (the reason for the dict-of-None form).
     assert yaml.safe_load("{L4:8, A100:4}") == {"L4:8": None, "A100:4": None}
+
+
+# -- workdir and file_mounts -----------------------------------------------------------------------------
+def test_file_mounts_from_buckets_are_copied_before_setup(acme):
+    task = ("resources: {accelerators: A100-80GB, image_id: 'docker:pytorch/pytorch:2.4'}\nrun: python train.py\n"
+            "file_mounts:\n  /datasets: s3://acme-data/imagenet/\n  ~/vocab.txt: gs://acme-nlp/vocab.txt\n"
+            "  /ckpt:\n    source: s3://acme-ckpt\n    mode: COPY\n")
+    body = post(acme, task, dry_run=1).json()
+    assert body["problems"] == []
+    assert body["spec"]["files"] == [{"source": "s3://acme-data/imagenet/", "destination": "/datasets"},
+                                     {"source": "gs://acme-nlp/vocab.txt", "destination": "~/vocab.txt"},
+                                     {"source": "s3://acme-ckpt", "destination": "/ckpt"}]
+
+
+def test_a_local_workdir_or_mount_must_come_through_the_cli_and_mount_modes_other_than_copy_are_problems(acme):
+    task = ("resources: {accelerators: A100-80GB}\nrun: python train.py\nworkdir: .\n"
+            "file_mounts:\n  ~/data: ./data\n  ~/ckpt:\n    source: s3://acme-ckpt\n    mode: MOUNT\n")
+    body = post(acme, task, dry_run=1).json()
+    problems = {p["field"]: p["message"] for p in body["problems"]}
+    assert set(problems) == {"workdir", "file_mounts[~/data]", "file_mounts[~/ckpt].mode"}
+    assert "whalezen submit" in problems["workdir"] and "only COPY" in problems["file_mounts[~/ckpt].mode"]
+    refused = post(acme, task.replace("~/data", "~/data.v2"))
+    assert refused.status_code == 400 and Job.objects.count() == 0
+    assert set(refused.json()["file_mounts"]) == {"[~/data.v2]", "[~/ckpt]"}
+
+
+@pytest.mark.parametrize("mounts, field, words", [
+    ("  ~/x: https://example.com/x.tar", "file_mounts", "not https://"),
+    ("  ~/x: r2://bucket/x", "file_mounts", "not r2://"),
+    ("  ~/x: {name: new-bucket, mode: COPY}", "file_mounts", "Creating a bucket"),
+    ("  /data: s3://acme-data", "files", "an absolute destination needs an image"),
+    ("  ~/../etc: s3://acme-data", "files", "'..'"),
+])
+def test_mounts_we_cannot_provide_are_refused_by_field(acme, mounts, field, words):
+    resp = post(acme, f"resources: {{accelerators: A100-80GB}}\nrun: x\nfile_mounts:\n{mounts}\n", dry_run=1)
+    assert resp.status_code == 400, resp.content
+    assert field in resp.json() and words in str(resp.json()[field])
+
+
+def uploaded(world, files: dict[str, bytes]) -> str:
+    """An upload through the API, as `whalezen submit` makes one of a workdir: its id."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    resp = world.client.post("/api/v1/uploads/", data=buffer.getvalue(), content_type="application/gzip")
+    assert resp.status_code == 201, resp.content
+    return resp.json()["id"]
+
+
+def test_an_uploaded_workdir_is_where_setup_and_run_run(acme):
+    upload = uploaded(acme, {"train.py": b"print(1)\n"})
+    task = f"resources: {{accelerators: A100-80GB}}\nworkdir: upload:{upload}\nrun: python3 train.py\n"
+    body = post(acme, task).json()
+    assert body["spec"]["files"] == [{"source": f"upload:{upload}", "destination": "~/sky_workdir"}]
+    assert body["spec"]["command"][2].startswith('cd "$HOME/sky_workdir" || exit 1\n')
+
+
+def test_another_teams_upload_is_refused(acme, globex):
+    theirs = uploaded(globex, {"a": b"b"})
+    resp = post(acme, f"resources: {{accelerators: A100-80GB}}\nworkdir: upload:{theirs}\nrun: x\n")
+    assert resp.status_code == 400 and "in this team" in str(resp.json()["files"]["[0]"]["source"])
+
+
+def test_a_waiting_job_with_alternatives_says_what_each_would_need(acme):
+    from broker.scheduler.services import scheduling_cycle_run
+
+    resp = post(acme, "resources: {accelerators: {A100-80GB: 16, T4: 2}}\nrun: x\n")
+    assert resp.status_code == 201, resp.content  # T4 is in no pool of acme's: a warning
+    scheduling_cycle_run(tenant=acme.tenant)
+    reason = acme.client.get(f"{URL}{resp.json()['id']}/").json()["pending_reason"]
+    assert "A100-80GB:16" in reason["message"] and "T4:2" in reason["message"], reason

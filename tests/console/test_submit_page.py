@@ -197,3 +197,46 @@ def test_the_submit_page_offers_the_catalogue_and_the_paste_tab(acme, as_member)
     assert re.search(r'<label for="id_gpus">GPUs per node</label>', form)
     paste = as_member.get("/submit/?mode=paste")
     assert '<textarea name="spec"' in paste.content.decode() and "llama-finetune" in text_of(paste)
+
+
+SKYPILOT_TASK = """\
+resources:
+  accelerators: {A100-80GB:2, T4:4}
+  disk_size: 256
+envs:
+  HF_TOKEN: null
+run: python train.py
+"""
+POD = """\
+apiVersion: v1
+kind: Pod
+metadata: {name: pod-run}
+spec:
+  containers:
+    - name: main
+      image: nvcr.io/nvidia/pytorch:24.05-py3
+      command: [python, train.py]
+      resources: {limits: {nvidia.com/gpu: 2}}
+"""
+
+
+def test_a_pasted_skypilot_task_is_previewed_with_what_would_block_it(acme, as_member):
+    resp = as_member.submit("/submit/quote/", {"mode": "paste", "spec": SKYPILOT_TASK}, **HX)
+    assert resp.status_code == 200
+    text = text_of(resp)
+    assert "Read as a SkyPilot task file" in text
+    assert "A submission would be refused" in text and "envs.HF_TOKEN" in text
+    assert "resources.disk_size" in text  # the warning
+    submitted = as_member.submit("/submit/", {"mode": "paste", "spec": SKYPILOT_TASK})
+    assert submitted.status_code == 400 and "HF_TOKEN" in text_of(submitted) and not Job.objects.exists()
+    filled = as_member.submit("/submit/", {"mode": "paste", "spec": SKYPILOT_TASK.replace("null", "hf_x")})
+    assert filled.status_code == 302
+    assert Job.objects.get().gpu_alternatives == {"A100-80GB": 2, "T4": 4}
+
+
+def test_a_pasted_kubernetes_pod_is_submitted(acme, as_member):
+    resp = as_member.submit("/submit/", {"mode": "paste", "spec": POD})
+    assert resp.status_code == 302, text_of(resp)
+    job = Job.objects.get()
+    assert (job.name, job.gpu_count, job.spec["format"], job.spec["image"]) == (
+        "pod-run", 2, "kubernetes", "nvcr.io/nvidia/pytorch:24.05-py3")

@@ -125,3 +125,37 @@ def test_a_failing_rank_fails_the_job_and_stops_the_other(served):
     wait_for(lambda: not commands_with(tag), 30, "rank 0's process to be stopped")
     text = "\n".join(logs.values())
     assert "rank 1: reached rank 0" in text and "all 2 ranks checked in" not in text, logs
+
+
+CHECK_SCRIPT = """\
+import os, pathlib
+rank, nodes = os.environ["SKYPILOT_NODE_RANK"], os.environ["SKYPILOT_NUM_NODES"]
+assert nodes == "2" and len(os.environ["SKYPILOT_NODE_IPS"].splitlines()) == 2, dict(os.environ)
+print(f"rank {rank} in {os.getcwd()}: {pathlib.Path('data.txt').read_text().strip()}")
+"""
+
+
+def test_a_skypilot_task_with_a_local_workdir_submitted_by_the_cli_runs_in_it_on_every_node(served, tmp_path):
+    """The user's folder goes up with `whalezen submit`; each node's process fetches it before setup,
+    and setup and run run inside it with SkyPilot's variables set."""
+    service, var_dir = served
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "check.py").write_text(CHECK_SCRIPT)
+    (tmp_path / "code" / "data.txt").write_text("from the workdir\n")
+    (tmp_path / "task.yaml").write_text(
+        "name: workdir-task\nnum_nodes: 2\nresources: {accelerators: L4:1, infra: onprem}\n"
+        "workdir: ./code\nsetup: test -f check.py\nrun: /usr/bin/python3 check.py\n")
+    env = {**os.environ, "WHALEZEN_URL": service.base, "WHALEZEN_TOKEN": service.token("acme"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    cli = Path(sys.executable).with_name("whalezen")
+    done = subprocess.run([str(cli), "submit", "task.yaml"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    job_id = int(done.stdout.strip())
+    token = service.token("acme")
+    finished = wait_state(service, token, job_id, {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout=90)
+    logs = part_logs(service, token, var_dir, job_id)
+    assert finished["state"] == "SUCCEEDED", (finished, logs)
+    text = "\n".join(logs.values())
+    assert "rank 0 in " in text and "rank 1 in " in text and "sky_workdir: from the workdir" in text, logs
+    assert finished["spec"]["files"][0]["source"].startswith("upload:")

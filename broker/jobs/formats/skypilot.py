@@ -57,6 +57,10 @@ _NUMBER_PLUS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]{0,2})\s*(\+?)\s*$")
 SETUP_THEN_RUN = ('bash -c "$1" || { rc=$?; echo "whalezen: setup failed with exit code $rc" >&2; exit $rc; }\n'
                   'exec bash -c "$2"')
 MAX_SCRIPT_CHARS = 8192
+WORKDIR_DESTINATION = "~/sky_workdir"  # where SkyPilot syncs a task's workdir, and runs it
+UPLOAD_SOURCE = re.compile(r"^upload:[0-9a-f]{32}$")
+COPIED_SCHEMES = ("s3://", "gs://")
+UPLOADED_BY_CLI = "a local path: submit the task with `whalezen submit`, which uploads it and names the upload here"
 
 
 def looks_like_skypilot(doc: dict) -> bool:
@@ -84,10 +88,9 @@ def translate_skypilot(doc: dict) -> Translation:
     _script_command(doc, out, errors)
     _environment(doc, "envs", "env", out, errors)
     _environment(doc, "secrets", "secrets", out, errors)
-    for key in ("workdir", "file_mounts", "volumes"):
-        if doc.get(key) not in (None, {}, ""):
-            out.problems.append(FieldProblem(key, f"{key} is not supported yet: put the code and data in the "
-                                                  "image (resources.image_id: docker:...) or fetch them in setup."))
+    _files(doc, out, errors)
+    if doc.get("volumes") not in (None, {}, [], ""):
+        errors["volumes"] = "Volumes are not supported: use file_mounts with an s3:// or gs:// source (copied)."
     nodes = doc.get("num_nodes")
     if nodes is not None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
@@ -117,6 +120,8 @@ def _script_command(doc: dict, out: Translation, errors: dict[str, str]) -> None
             errors[key] = f"At most {MAX_SCRIPT_CHARS} characters."
         elif value.strip():
             scripts[key] = value
+    if doc.get("workdir") is not None:  # SkyPilot runs setup and run inside the synced workdir
+        scripts = {key: f'cd "$HOME/{WORKDIR_DESTINATION[2:]}" || exit 1\n{script}' for key, script in scripts.items()}
     if "run" not in scripts:
         if "setup" in scripts:
             errors["run"] = "A task with setup needs a run script: WhaleZen runs jobs, it does not keep clusters."
@@ -125,6 +130,63 @@ def _script_command(doc: dict, out: Translation, errors: dict[str, str]) -> None
         out.spec["command"] = ["/bin/bash", "-c", SETUP_THEN_RUN, "whalezen-task", scripts["setup"], scripts["run"]]
     else:
         out.spec["command"] = ["/bin/bash", "-c", scripts["run"]]
+
+
+def _files(doc: dict, out: Translation, errors: dict[str, str]) -> None:
+    """`workdir` and `file_mounts` as native `files`: uploads (what `whalezen submit` sent of local
+    folders) and s3:// / gs:// objects, copied onto every node before setup."""
+    files: list[dict[str, str]] = []
+    workdir = doc.get("workdir")
+    if workdir is not None:
+        if not isinstance(workdir, str) or not workdir.strip():
+            errors["workdir"] = "Must be a path (a local folder) or an upload:<id>."
+        elif UPLOAD_SOURCE.match(workdir.strip()):
+            files.append({"source": workdir.strip(), "destination": WORKDIR_DESTINATION})
+        else:
+            out.problems.append(FieldProblem("workdir", f"{workdir[:80]!r} is {UPLOADED_BY_CLI}."))
+    mounts = doc.get("file_mounts")
+    if mounts is not None and not isinstance(mounts, dict):
+        errors["file_mounts"] = "Must be a mapping of destination path: source."
+        mounts = None
+    for destination, source in (mounts or {}).items():
+        field = f"file_mounts[{destination}]"  # brackets: a destination holds dots and slashes
+        if not isinstance(destination, str) or not destination.strip():
+            errors["file_mounts"] = "Destinations must be paths."
+            continue
+        if isinstance(source, dict):
+            unknown = sorted(set(source) - {"source", "mode", "name", "store", "persistent"}, key=str)
+            if unknown:
+                errors[field] = f"Storage fields here: source, mode, name, store, persistent; not {unknown[0]!r}."
+                continue
+            mode = str(source.get("mode") or "COPY").upper()
+            if mode != "COPY":
+                out.problems.append(FieldProblem(f"{field}.mode", f"Mode {mode[:20]} is not supported: only COPY "
+                                                                  "(copied onto the node before setup; nothing is "
+                                                                  "written back)."))
+                continue
+            if source.get("source") is None:
+                errors[field] = "Creating a bucket is not supported: give the source of existing data."
+                continue
+            if source.get("persistent") is False or source.get("store") or source.get("name"):
+                out.warnings.append(FieldProblem(field, "Only the source is read: the data is copied, never "
+                                                        "stored into a bucket WhaleZen creates."))
+            source = source["source"]
+        if isinstance(source, list):
+            errors[field] = "One source per destination."
+            continue
+        if not isinstance(source, str) or not source.strip():
+            errors[field] = "Must be an s3:// or gs:// URI, a local path (uploaded by whalezen submit), or upload:<id>."
+            continue
+        source = source.strip()
+        if source.startswith(COPIED_SCHEMES) or UPLOAD_SOURCE.match(source):
+            files.append({"source": source, "destination": destination.strip()})
+        elif re.match(r"^[a-z][a-z0-9+.-]*://", source):
+            errors[field] = (f"Sources WhaleZen copies: s3://, gs://, and local paths (uploaded by whalezen "
+                             f"submit); not {source.split('://')[0][:20]}://.")
+        else:
+            out.problems.append(FieldProblem(field, f"{source[:80]!r} is {UPLOADED_BY_CLI}."))
+    if files:
+        out.spec["files"] = files
 
 
 def _environment(doc: dict, key: str, native: str, out: Translation, errors: dict[str, str]) -> None:
