@@ -113,6 +113,26 @@ def test_submit_watch_explain_cancel_migrate_and_pay(open_session, passwords, ac
     assert "acme-a100" not in other.page.locator("main").inner_text()
 
 
+def test_a_pasted_skypilot_task_is_previewed_then_submitted(open_session, passwords, acme):
+    session = open_session()
+    session.login("acme-member")
+    page = session.page
+    page.goto("/submit/?mode=paste")
+    task = ("name: pasted-task\nresources:\n  accelerators: {A100-80GB:2, H100:8}\n  disk_size: 256\n"
+            "envs:\n  HF_TOKEN: null\nrun: python train.py\n")
+    page.get_by_label("Spec (YAML or JSON)").fill(task)
+    page.get_by_label("Spec (YAML or JSON)").blur()
+    preview = page.locator(".quote")
+    preview.get_by_text("Read as a SkyPilot task file").wait_for()
+    assert "envs.HF_TOKEN" in preview.inner_text() and "resources.disk_size" in preview.inner_text()
+    session.shot("submit-skypilot-preview")
+    page.get_by_label("Spec (YAML or JSON)").fill(task.replace("null", "hf_x"))
+    page.get_by_role("button", name="Submit job").click()
+    page.wait_for_url(re.compile(r"/jobs/\d+/$"))
+    assert Job.objects.get(name="pasted-task").gpu_alternatives == {"A100-80GB": 2, "H100-80GB": 8}
+    assert session.outside_requests == [] and session.console_errors == []
+
+
 def test_a_viewer_reads_but_has_nothing_to_press(open_session, passwords, acme):
     session = open_session()
     session.login("acme-viewer")
