@@ -102,7 +102,8 @@ class Agent:
         work_dir = config.work_dir or default_work_dir(config.state_dir)
         check_work_dir(work_dir, config.state_dir)  # raises ValueError: a usage error
         self.job_user = resolve_job_user(config.job_user)
-        self.runtimes = detect_runtimes(config.container_runtimes)  # raises ValueError: a usage error
+        self.runtimes = detect_runtimes(config.container_runtimes,  # raises ValueError: a usage error
+                                        simulated_gpus=getattr(backend, "name", "") == "fake")
         self.runner = JobRunner(work_dir, base_env=base_env, stop_grace_s=config.stop_grace_s, clock=clock,
                                 job_user=self.job_user, runtimes=self.runtimes, server_url=config.server_url)
         self.runner.prepare()

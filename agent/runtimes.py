@@ -50,6 +50,10 @@ CLEANUP_TIMEOUT_S = 20.0  # `docker rm -f` on a container that ignores SIGTERM: 
 CONTAINER_PREFIX = "whalezen-"
 
 GPU_CDI, GPU_FLAG, GPU_NV, GPU_NONE = "cdi", "gpus", "nv", "none"
+# Simulated GPUs (--fake-gpus, the demo): they exist only as the agent's numbers, so a podman or
+# docker without the NVIDIA toolkit can run image jobs all the same; the container gets no GPU
+# device, only CUDA_VISIBLE_DEVICES, as a host job on simulated GPUs does.
+GPU_SIMULATED = "simulated"
 
 # The distribution reference grammar (github.com/distribution/reference): [domain/]path[:tag][@digest].
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -114,7 +118,7 @@ def parse_setting(text: str | None) -> tuple[str, ...] | None:
 
 
 def detect(setting: str | None = None, *, path: str | None = None,
-           cdi_globs: Sequence[str] = CDI_SPEC_GLOBS) -> tuple[Runtime, ...]:
+           cdi_globs: Sequence[str] = CDI_SPEC_GLOBS, simulated_gpus: bool = False) -> tuple[Runtime, ...]:
     """The runtimes this node can run images with, in order of preference.
 
     Auto-detection skips a docker whose daemon does not answer and a podman/docker without the
@@ -132,6 +136,8 @@ def detect(setting: str | None = None, *, path: str | None = None,
         binary = os.path.abspath(binary)
         if name in OCI_RUNTIMES:
             mode = _oci_gpu_mode(path=path, cdi_globs=cdi_globs)
+            if mode == GPU_NONE and simulated_gpus:
+                mode = GPU_SIMULATED
             if name == "docker" and not _daemon_answers(binary):
                 if pinned is not None:
                     raise RuntimeSetupError(f"--container-runtime docker: {binary} found, but its daemon does not "
@@ -280,7 +286,7 @@ def _oci_command(
     if ids and runtime.gpu_mode == GPU_CDI:
         for gpu in ids:
             argv += ["--device", f"nvidia.com/gpu={gpu}"]
-    elif ids:
+    elif ids and runtime.gpu_mode != GPU_SIMULATED:
         argv += ["--gpus", f'"device={",".join(ids)}"']  # docker's CSV syntax: the quotes keep the commas
     env = dict(client_env)
     inside = _without_gpu_selectors(job_env, assignment_id)

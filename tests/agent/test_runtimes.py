@@ -51,6 +51,18 @@ def test_a_runtime_without_the_nvidia_toolkit_is_not_used_unless_pinned(tmp_path
                           agent_is_root=True)
 
 
+def test_on_simulated_gpus_a_runtime_without_the_toolkit_runs_images_without_gpu_devices(tmp_path):
+    # The demo (make run): its GPUs exist only as the agent's numbers, so podman needs no toolkit.
+    standin = runtime_standin.install(tmp_path, "podman", toolkit=False)
+    no_cdi = cdi_glob(tmp_path, present=False)
+    assert detect(None, path=str(standin.bin_dir), cdi_globs=no_cdi) == ()  # real GPUs: not usable
+    (podman,) = detect(None, path=str(standin.bin_dir), cdi_globs=no_cdi, simulated_gpus=True)
+    assert podman.gpu_mode == runtimes.GPU_SIMULATED
+    run = build(podman, tmp_path)
+    assert "--gpus" not in run.argv and "--device" not in run.argv
+    assert pairs(run.argv, "--env").count("CUDA_VISIBLE_DEVICES") == 1
+
+
 def test_a_docker_whose_daemon_does_not_answer_is_not_a_runtime(tmp_path):
     standin = runtime_standin.install(tmp_path, "docker", daemon_up=False)
     assert detect(None, path=str(standin.bin_dir)) == ()
