@@ -8,10 +8,12 @@ never read here) applies, and no other route accepts a big body.
 """
 from __future__ import annotations
 
+import re
+
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
-from rest_framework.exceptions import APIException, UnsupportedMediaType, ValidationError
+from rest_framework.exceptions import APIException, NotFound, UnsupportedMediaType, ValidationError
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -84,6 +86,13 @@ class UploadViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMod
     schema = WhaleZenAutoSchema()
     owner_field = "owner"
     parser_classes = [GzipStreamParser, XGzipStreamParser]
+
+    def get_object(self):
+        # Ids are 32 hex characters: anything else (a NUL, which PostgreSQL refuses in a query) is
+        # simply not found, after authentication, without a database round trip.
+        if not re.fullmatch(r"[0-9a-f]{32}", str(self.kwargs.get(self.lookup_field, ""))):
+            raise NotFound()
+        return super().get_object()
 
     @extend_schema(
         request={"application/gzip": OpenApiTypes.BINARY},
