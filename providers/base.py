@@ -94,6 +94,11 @@ class InstanceState(str, Enum):
         return self is InstanceState.TERMINATED
 
 
+# Interconnects between nodes fast enough for a multi-node gang: an offer's `fabric` entry among these
+# makes it a fast-fabric offer, and a node's `fabric` label among these a fast-fabric node.
+FAST_FABRICS = frozenset({"infiniband", "efa", "roce", "gpudirect-tcpx", "gpudirect-tcpxo"})
+
+
 @dataclass(frozen=True)
 class Offer:
     """One thing that can be rented (or, on-prem, used) at a price, in one place."""

@@ -48,13 +48,14 @@ def submission_parse(data: Any, *, tenant: Tenant, declared: str | None = None,
     except FormatError as exc:
         raise serializers.ValidationError(nested_errors(exc.errors)) from None
     native = {k: v for k, v in translation.spec.items() if k != "format"}
-    spec = JobSpecSerializer(data=native, context={"gpu_catalog": catalog or gpu_catalog()})
+    catalog = catalog or gpu_catalog()
+    spec = JobSpecSerializer(data=native, context={"gpu_catalog": catalog})
     spec.is_valid(raise_exception=True)
     validated = spec.validated_data
     validated["format"] = fmt
     submission = Submission(format=fmt, validated=validated, warnings=list(translation.warnings),
                             problems=list(translation.problems))
-    _check_reach(submission, tenant)
+    _check_reach(submission, tenant, catalog)
     _check_uploads(submission, tenant)
     return submission
 
@@ -114,7 +115,7 @@ def reachable_gpu_models(tenant: Tenant) -> tuple[frozenset[str], bool]:
     return result
 
 
-def _check_reach(submission: Submission, tenant: Tenant) -> None:
+def _check_reach(submission: Submission, tenant: Tenant, catalog: GpuCatalog) -> None:
     """A model spelling that names no GPU the team can reach is said at submit time, with what would."""
     demand = submission.demand
     if not demand.gpu_models:
@@ -126,7 +127,7 @@ def _check_reach(submission: Submission, tenant: Tenant) -> None:
     resources = submission.validated["resources"]
     field_name = "resources.accelerators" if "accelerators" in resources else "resources.gpu_models"
     written = _spellings(resources)
-    named = ", ".join(_as_written(model, written) for model in missing)
+    named = ", ".join(_as_written(model, written, catalog) for model in missing)
     hint = (f"This team can reach {', '.join(sorted(reachable))}." if reachable
             else "This team has no pool with GPUs yet.")
     if len(missing) < len(demand.gpu_models) or not complete:
@@ -153,9 +154,8 @@ def _spellings(resources: dict[str, Any]) -> list[str]:
     return list(resources.get("gpu_models", []))
 
 
-def _as_written(model: str, written: list[str]) -> str:
+def _as_written(model: str, written: list[str], catalog: GpuCatalog) -> str:
     """`A100` as the user wrote it, with the model it means ("A100" is A100-40GB, SkyPilot's naming)."""
-    catalog = gpu_catalog()
     for spelling in written:
         ref = catalog.resolve(spelling)
         if ref is not None and ref.name == model and spelling.lower() != model.lower():

@@ -21,7 +21,7 @@ from broker.inventory.selectors import pool_teams
 from broker.inventory.services import gpu_model_resolve
 from broker.provisioning.factory import provider_for_pool
 from broker.tenancy.models import Tenant
-from providers.base import Offer, ProviderError
+from providers.base import FAST_FABRICS, Offer, ProviderError
 from providers.catalog.availability import AvailabilityReport, AwsAvailability, GcpAvailability, refresh_availability
 from scheduling import model as sm
 
@@ -35,7 +35,6 @@ LIVE_INSTANCE_STATES = (InstanceState.REQUESTED, InstanceState.PENDING, Instance
 CAPPED_INSTANCE_STATES = LIVE_INSTANCE_STATES + (InstanceState.TERMINATING,)
 # Refreshed by the provisioning.refresh_offers task; a cycle refreshes on its own when the cache is cold.
 OFFER_CACHE_SECONDS = 3600
-FAST_FABRICS = {"efa", "infiniband", "gpudirect-tcpx", "gpudirect-tcpxo", "roce"}
 # A cloud pool's provider_config key: the container runtimes its machine image comes with (what the
 # agent on a new instance will find), so the engine may rent it for a job with an image.
 POOL_RUNTIMES_KEY = "container_runtimes"

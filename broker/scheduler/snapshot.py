@@ -21,12 +21,11 @@ from broker.jobs.selectors import tenant_held_share
 from broker.jobs.states import ACTIVE_STATES, JobState
 from broker.scheduler.spend import month_to_date_spend
 from broker.tenancy.models import FairShareUsage, Quota, TeamQuota, Tenant
+from providers.base import FAST_FABRICS
 from scheduling import model as sm
 
 MILLI_PER_SLOT = 1000 // Gpu.SLOTS
 DEFAULT_RESTART_COST_S = 120.0
-# Fabric labels an admin (or a cloud provider) sets on nodes that may run multi-node gangs.
-FAST_FABRIC_LABELS = {"infiniband", "efa", "roce", "gpudirect-tcpx"}
 
 
 def _ts(value: datetime | None) -> float:
@@ -134,7 +133,7 @@ def component_snapshot(*, tenants: list[Tenant], seed: int = 0, now: datetime | 
             labels={str(k): str(v) for k, v in node.labels.items()},
             state="ready" if node.state == NodeState.ONLINE and node.pool.enabled else node.state.lower(),
             price_per_gpu_hour=_price_per_gpu_hour(node.pool),
-            fast_fabric=fabric in FAST_FABRIC_LABELS,
+            fast_fabric=fabric in FAST_FABRICS,
             rented=node.pool.kind != PoolKind.ONPREM,
             tenants=teams_of_pool.get(node.pool_id, (node.pool.tenant.slug,)),
             container_runtimes=tuple(node.container_runtimes or ()),

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from providers.base import (
+    FAST_FABRICS,
     ErrorKind,
     InstanceInfo,
     InstanceRef,
@@ -106,7 +107,6 @@ JOIN_TOKEN_ENV = "WHALEZEN_JOIN_TOKEN"
 
 
 INSTANCE_SCRIPT = Path(__file__).resolve().with_name("instance.py")
-FAST_FABRIC_NAMES = ("infiniband", "efa", "roce", "gpudirect-tcpx")
 SPOT_NOTICE_SECONDS = 120.0  # what AWS gives
 
 
@@ -126,7 +126,7 @@ def agent_command(python: str, state_root: str | os.PathLike[str] | None = None)
             argv += ["--spot-notice", "local", "--metadata-url", metadata_url]
         # The node says what its offer said: a shape sold with a fast fabric is a node on one (the
         # `fabric` label the scheduler reads for multi-node jobs).
-        fast = [f for f in shape.fabric if f in FAST_FABRIC_NAMES]
+        fast = [f for f in shape.fabric if f in FAST_FABRICS]
         if fast:
             argv += ["--label", f"fabric={fast[0]}"]
         return argv

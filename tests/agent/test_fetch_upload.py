@@ -3,7 +3,6 @@ destination only; hostile archives and broken downloads are refused with a reaso
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import tarfile
 import threading
@@ -14,30 +13,10 @@ import pytest
 
 from agent import fetch_upload as fu
 from agent.fetch_upload import UploadFetchError, fetch_upload, unpack
+from tests.tarballs import archive, member
 
 UPLOAD_ID = "0123456789abcdef" * 2
 SOURCE = f"upload:{UPLOAD_ID}"
-
-
-def archive(files: dict[str, bytes] | None = None, *, extra=None) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, content in (files or {}).items():
-            info = tarfile.TarInfo(name)
-            info.size = len(content)
-            info.mode = 0o755 if name.endswith(".sh") else 0o644
-            tar.addfile(info, io.BytesIO(content))
-        if extra:
-            extra(tar)
-    return buffer.getvalue()
-
-
-def member(tar: tarfile.TarFile, name: str, type_: bytes, *, linkname: str = "", content: bytes = b"") -> None:
-    info = tarfile.TarInfo(name)
-    info.type = type_
-    info.linkname = linkname
-    info.size = len(content)
-    tar.addfile(info, io.BytesIO(content) if content else None)
 
 
 class FakeBroker:

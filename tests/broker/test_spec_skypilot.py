@@ -9,6 +9,7 @@ import yaml
 from broker.inventory.services import node_create_simulated
 from broker.jobs.formats.skypilot import SETUP_THEN_RUN
 from broker.jobs.models import Job
+from tests.tarballs import archive
 
 URL = "/api/v1/jobs/"
 
@@ -427,16 +428,7 @@ def test_mounts_we_cannot_provide_are_refused_by_field(acme, mounts, field, word
 
 def uploaded(world, files: dict[str, bytes]) -> str:
     """An upload through the API, as `whalezen submit` makes one of a workdir: its id."""
-    import io
-    import tarfile
-
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    resp = world.client.post("/api/v1/uploads/", data=buffer.getvalue(), content_type="application/gzip")
+    resp = world.client.post("/api/v1/uploads/", data=archive(files), content_type="application/gzip")
     assert resp.status_code == 201, resp.content
     return resp.json()["id"]
 

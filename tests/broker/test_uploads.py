@@ -4,7 +4,6 @@ downloads only with the job's token, and old unused uploads expired."""
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import tarfile
 import time
@@ -19,29 +18,9 @@ from broker.jobs import uploads
 from broker.jobs.models import Job, Upload
 from broker.jobs.states import JobState
 from broker.jobs.tasks import expire_uploads
+from tests.tarballs import archive, member
 
 URL = "/api/v1/uploads/"
-
-
-def archive(files: dict[str, bytes] | None = None, *, extra=None) -> bytes:
-    """A tar.gz of `files` (name -> content); `extra(tar)` may add hostile members."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, content in (files or {}).items():
-            info = tarfile.TarInfo(name)
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
-        if extra:
-            extra(tar)
-    return buffer.getvalue()
-
-
-def member(tar: tarfile.TarFile, name: str, type_: bytes, *, linkname: str = "", content: bytes = b"") -> None:
-    info = tarfile.TarInfo(name)
-    info.type = type_
-    info.linkname = linkname
-    info.size = len(content) if type_ == tarfile.REGTYPE else 0
-    tar.addfile(info, io.BytesIO(content) if content else None)
 
 
 def post(client: APIClient, body: bytes, *, kind: str | None = None, **headers):
