@@ -26,7 +26,7 @@ import os
 from dataclasses import asdict, dataclass
 from datetime import date, datetime, time, timedelta, timezone as dt_timezone
 from decimal import ROUND_HALF_EVEN, Decimal
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from broker.billing.models import IDLE, AllocationMeter, ChargebackRate, UsageKind
 from broker.inventory.models import CloudInstance, Gpu, PoolKind
@@ -137,22 +137,29 @@ def current_rate(alloc: Allocation) -> tuple[Decimal, str, bool]:
     return Decimal(pool.gpu_hour_rate_usd), "pool", False
 
 
-def current_rates(allocs: list[Allocation]) -> dict[int, tuple[Decimal, str, bool]]:
-    """`current_rate` of many allocations in two queries: node__pool loaded, and either the slices with
-    their GPU model prefetched or the model annotated as `first_gpu_model` (rates_fix)."""
-    instances = {i.node_id: i for i in CloudInstance.objects.filter(node_id__in={a.node_id for a in allocs})}
+class PriceBasis(NamedTuple):
+    """What an allocation's price depends on, read as plain rows (rates_fix)."""
+    allocation_id: int
+    node_id: int
+    pool_id: int
+    pool_rate: Decimal
+    gpu_model: str
+
+
+def current_rates(bases: list[PriceBasis]) -> dict[int, tuple[Decimal, str, bool]]:
+    """`current_rate` of many allocations in two queries (the instances, the pools' overrides)."""
+    instances = {i.node_id: i for i in CloudInstance.objects.filter(node_id__in={b.node_id for b in bases})}
     overrides = {(o.pool_id, o.gpu_model): Decimal(o.rate_usd_per_gpu_hour) for o in ChargebackRate.objects.filter(
-        pool_id__in={a.node.pool_id for a in allocs})}
+        pool_id__in={b.pool_id for b in bases})}
     rates = {}
-    for alloc in allocs:
-        instance = instances.get(alloc.node_id)
+    for basis in bases:
+        instance = instances.get(basis.node_id)
         if instance is not None:
-            rates[alloc.pk] = (instance_rate(instance), "instance", instance.spot)
+            rates[basis.allocation_id] = (instance_rate(instance), "instance", instance.spot)
             continue
-        model = alloc.first_gpu_model if hasattr(alloc, "first_gpu_model") else _gpu_model(alloc)
-        override = overrides.get((alloc.node.pool_id, model or ""))
-        rates[alloc.pk] = ((override, "pool_model", False) if override is not None
-                           else (Decimal(alloc.node.pool.gpu_hour_rate_usd), "pool", False))
+        override = overrides.get((basis.pool_id, basis.gpu_model))
+        rates[basis.allocation_id] = ((override, "pool_model", False) if override is not None
+                                      else (basis.pool_rate, "pool", False))
     return rates
 
 

@@ -4,7 +4,8 @@ allocation_commit (broker.jobs.services, not billing's) creates the Allocation a
 transaction; once that transaction commits, the price is fixed from the slices' GPU model (on_commit, so a
 rolled-back commit fixes nothing). The metering run still fixes any allocation this missed (a crash
 between commit and callback, rows written by other paths): `rates_fix` is idempotent. Bulk placements
-(broker.jobs.batch) send no post_save; they send broker.jobs.signals.allocations_committed after commit."""
+(broker.jobs.batch) send no post_save; they send broker.jobs.signals.allocations_placed inside their
+transaction, and the meters are inserted in it."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ from django.dispatch import receiver
 from django.utils import timezone
 
 from broker.jobs.models import Allocation
-from broker.jobs.signals import allocations_committed
+from broker.jobs.signals import allocations_placed
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,15 @@ def allocation_price_fix(sender, instance: Allocation, created: bool, raw: bool 
     transaction.on_commit(fix, robust=True)
 
 
-@receiver(allocations_committed, dispatch_uid="billing-fix-prices-bulk")
-def allocations_prices_fix(sender, allocation_ids: list[int], **kwargs) -> None:
-    """Bulk placements (broker.jobs.batch) insert allocations without post_save: the jobs app sends this
-    once their transaction has committed."""
-    from broker.billing.services import rates_fix
+@receiver(allocations_placed, dispatch_uid="billing-fix-prices-bulk")
+def allocations_prices_fix(sender, allocations: list, gpu_models: dict[int, str], **kwargs) -> None:
+    """Bulk placements (broker.jobs.batch) insert allocations without post_save: their prices are fixed
+    in the placements' own transaction, from what the placement already read (no query of the rows it
+    just wrote)."""
+    from broker.billing.services import meters_create
 
     try:
-        rates_fix(now=timezone.now(), allocation_ids=list(allocation_ids))
+        with transaction.atomic():  # a savepoint: a failure here leaves the placements as they are
+            meters_create(now=timezone.now(), allocations=allocations, gpu_models=gpu_models)
     except Exception:  # noqa: BLE001 - billing must never break a placement; the metering run retries
-        log.exception("billing: could not fix the prices of %d allocation(s) now", len(allocation_ids))
+        log.exception("billing: could not fix the prices of %d allocation(s) now", len(allocations))

@@ -14,6 +14,8 @@ fixed number of statements, under the same guarantees:
   partial unique constraint still refuses any slot held twice: if it fires (a writer outside the
   locks), the whole chunk rolls back and its jobs are committed one by one by `allocation_commit`;
 - each job moves PENDING -> PLACED with its state event, each allocation gets the node's next epoch.
+- each allocation's price is fixed in the same transaction (`allocations_placed`: billing inserts its
+  meter), and the rows go in by COPY on PostgreSQL (broker/rows.py).
 
 `pending_reasons_set` writes only the reasons that changed, and an event only when the code changed
 (as `job_set_pending_reason` does one job at a time).
@@ -23,22 +25,36 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import IntegrityError, connection, transaction
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.inventory.selectors import usable_pool_ids
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
-from broker.jobs.selectors import tenant_held_share
+from broker.jobs.quota import QuotaRoom
 from broker.jobs.services import GpuRequest, JobError, allocation_commit
-from broker.jobs.signals import allocations_committed
+from broker.jobs.signals import allocations_placed
 from broker.jobs.states import JobState
-from broker.tenancy.models import Quota, Tenant
+from broker.rows import objects_insert, values_insert
+from broker.tenancy.models import Tenant
 
-# Jobs per transaction: a chunk holds its nodes' row locks for well under a second.
-CHUNK = 250
+# Jobs per transaction. PostgreSQL locks only the chunk's node, team and job rows: 1,000 hold them about
+# 0.6 s and commit 5,000 placements in 3.0-3.3 s where chunks of 250 took 4.1-4.8 s (bench.service). SQLite
+# locks the whole database for a transaction's length, and every web request that writes waits for it.
+CHUNK = {"postgresql": 1000}
+CHUNK_DEFAULT = 250
+
+
+class GpuRow(NamedTuple):
+    """What a chunk's checks read of a GPU."""
+    pk: int
+    index: int
+    health: str
+    compute_units: Decimal
+    model: str  # its catalogue model's name, else the name the node reported
 
 
 @dataclass
@@ -50,8 +66,9 @@ class BatchResult:
 def placements_commit(*, items: list[tuple[Job, list[GpuRequest]]]) -> BatchResult:
     """Place every (job, requests) that still may be placed; the others are refused with a reason."""
     result = BatchResult()
-    for start in range(0, len(items), CHUNK):
-        chunk = items[start:start + CHUNK]
+    size = CHUNK.get(connection.vendor, CHUNK_DEFAULT)
+    for start in range(0, len(items), size):
+        chunk = items[start:start + size]
         try:
             with transaction.atomic():
                 _commit_chunk(chunk, result)
@@ -78,14 +95,19 @@ def _commit_chunk(chunk: list[tuple[Job, list[GpuRequest]]], result: BatchResult
                                                          state=JobState.PENDING).values_list("pk", flat=True))
     pools = {n.pool_id for n in nodes.values()}
     usable = {tenant_id: usable_pool_ids(tenant_id=tenant_id, pool_ids=pools) for tenant_id in tenant_ids}
-    gpus = {(g.node_id, g.index): g for g in Gpu.objects.filter(node_id__in=node_ids).select_related("model")}
+    # Plain rows: a chunk's nodes hold a few thousand GPUs, and model instances of them (with their
+    # models) were a fifth of the chunk's time.
+    gpus = {(node_id, index): GpuRow(pk, index, health, compute_units or Decimal(0), model or "")
+            for node_id, index, pk, health, compute_units, model in Gpu.objects.filter(node_id__in=node_ids)
+            .values_list("node_id", "index", "pk", "health", "model__compute_units",
+                         Coalesce("model__name", "model_name"))}
     taken = _held_slots(node_ids)
-    room = {tenant_id: _QuotaRoom(tenant_id) for tenant_id in tenant_ids}
+    room = {tenant_id: QuotaRoom(tenant_id) for tenant_id in tenant_ids}
     epochs = {pk: node.epoch for pk, node in nodes.items()}
     now = timezone.now()
 
     allocations: list[Allocation] = []
-    slices: list[tuple[Allocation, list[tuple[Gpu, int]]]] = []
+    slices: list[tuple[Allocation, list[tuple[GpuRow, int]]]] = []
     events: list[JobEvent] = []
     placed: list[int] = []
     for job, requests in chunk:
@@ -95,13 +117,13 @@ def _commit_chunk(chunk: list[tuple[Job, list[GpuRequest]]], result: BatchResult
             continue
         why, chosen = _check(job, requests, nodes, usable[job.tenant_id], gpus, taken)
         if why is None:
-            why = room[job.tenant_id].take(chosen)
+            why = room[job.tenant_id].take([(gpu.compute_units, len(picks)) for gpu, picks in chosen])
         if why is not None:
             result.refused[job.pk] = why
             continue
         for req, picks in zip(requests, _by_request(requests, chosen)):
             epochs[req.node.pk] += 1
-            allocation = Allocation(job=job, node=nodes[req.node.pk], epoch=epochs[req.node.pk])
+            allocation = Allocation(job_id=job.pk, node=nodes[req.node.pk], epoch=epochs[req.node.pk])
             allocations.append(allocation)
             slices.append((allocation, picks))
         for gpu, slots in chosen:
@@ -114,9 +136,14 @@ def _commit_chunk(chunk: list[tuple[Job, list[GpuRequest]]], result: BatchResult
         placed.append(job.pk)
     if not placed:
         return
-    Allocation.objects.bulk_create(allocations)
-    _slices_insert([(allocation.pk, gpu.pk, slot) for allocation, picks in slices for gpu, slots in picks
-                    for slot in slots])
+    # COPY with ids drawn first (broker/rows.py): bulk_create's compiled INSERT and its RETURNING were
+    # most of what was left of a 5,000-placement commit.
+    objects_insert(allocations, with_ids=True)
+    # Ten slot rows per whole GPU (about 50,000 for 5,000 placements) as plain tuples: no model instances.
+    # The partial unique constraint still refuses a slot held twice (IntegrityError: the chunk rolls back).
+    values_insert(AllocationSlice, ("allocation", "gpu", "slot", "active"),
+                  [(allocation.pk, gpu.pk, slot, True) for allocation, picks in slices for gpu, slots in picks
+                   for slot in slots])
     changed = [(epochs[pk], pk) for pk in nodes if epochs[pk] != nodes[pk].epoch]  # never empty: a job was placed
     with connection.cursor() as cursor:  # bulk_update's CASE WHEN per node took 0.1 s a chunk
         cursor.executemany(f"UPDATE {connection.ops.quote_name(Node._meta.db_table)} SET "
@@ -127,32 +154,12 @@ def _commit_chunk(chunk: list[tuple[Job, list[GpuRequest]]], result: BatchResult
         state=JobState.PLACED, updated_at=now, pending_reason_code="", pending_reason="", pending_reason_data={})
     if updated != len(placed):  # the rows are locked: only a bug gets here
         raise IntegrityError("placed jobs changed state under their row locks")
-    JobEvent.objects.bulk_create(events)
+    objects_insert(events)
+    # Billing fixes each allocation's price in this same transaction (an allocation is never left
+    # without one by a crash between two transactions).
+    allocations_placed.send(sender=Allocation, allocations=allocations,
+                            gpu_models={allocation.pk: picks[0][0].model for allocation, picks in slices if picks})
     result.placed.extend(placed)
-    ids = [allocation.pk for allocation in allocations]
-    transaction.on_commit(lambda: allocations_committed.send(sender=Allocation, allocation_ids=ids), robust=True)
-
-
-def _slices_insert(rows: list[tuple[int, int, int]]) -> None:
-    """(allocation id, GPU id, slot) rows inserted active: ten rows per GPU, about 50,000 for 5,000
-    placements, where bulk_create built a model instance per row and read every id back (2 s of a cycle's
-    commit). The partial unique constraint still refuses a slot held twice
-    (IntegrityError: the caller rolls the chunk back)."""
-    meta = AllocationSlice._meta
-    quote = connection.ops.quote_name
-    columns = ", ".join(quote(meta.get_field(name).column) for name in ("allocation", "gpu", "slot", "active"))
-    table = quote(meta.db_table)
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            # COPY: psycopg parsing a 4,000-placeholder INSERT took longer than PostgreSQL inserting it
-            # (2.7 of 3.2 s for 45,000 rows); errors wrapped as Django's, so IntegrityError still reaches
-            # placements_commit.
-            with connection.wrap_database_errors, cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
-                for allocation_id, gpu_id, slot in rows:
-                    copy.write_row((allocation_id, gpu_id, slot, True))
-        else:
-            cursor.executemany(f"INSERT INTO {table} ({columns}) VALUES (%s, %s, %s, %s)",
-                               [(allocation_id, gpu_id, slot, True) for allocation_id, gpu_id, slot in rows])
 
 
 def _held_slots(node_ids: list[int]) -> dict[int, set[int]]:
@@ -165,11 +172,11 @@ def _held_slots(node_ids: list[int]) -> dict[int, set[int]]:
 
 
 def _check(job: Job, requests: list[GpuRequest], nodes: dict[int, Node], usable: set[int],
-           gpus: dict[tuple[int, int], Gpu], taken: dict[int, set[int]]) -> tuple[str | None, list[tuple[Gpu, list[int]]]]:
+           gpus: dict[tuple[int, int], GpuRow], taken: dict[int, set[int]]) -> tuple[str | None, list[tuple[GpuRow, list[int]]]]:
     """allocation_commit's checks for one job; (why not, None) or (None, the slots each GPU gives)."""
     if not requests:
         return "Nothing to allocate.", []
-    chosen: list[tuple[Gpu, list[int]]] = []
+    chosen: list[tuple[GpuRow, list[int]]] = []
     for req in requests:
         node = nodes[req.node.pk]
         if node.pool_id not in usable:
@@ -191,7 +198,7 @@ def _check(job: Job, requests: list[GpuRequest], nodes: dict[int, Node], usable:
     return None, chosen
 
 
-def _by_request(requests: list[GpuRequest], chosen: list[tuple[Gpu, list[int]]]) -> list[list[tuple[Gpu, list[int]]]]:
+def _by_request(requests: list[GpuRequest], chosen: list[tuple[GpuRow, list[int]]]) -> list[list[tuple[GpuRow, list[int]]]]:
     """Split the chosen (GPU, slots) back per request, in request order."""
     out, position = [], 0
     for req in requests:
@@ -199,31 +206,6 @@ def _by_request(requests: list[GpuRequest], chosen: list[tuple[Gpu, list[int]]])
         out.append(chosen[position:position + n])
         position += n
     return out
-
-
-class _QuotaRoom:
-    """A team's GPU and CU quota room (as `_check_quota` counts it), drawn down by the chunk."""
-
-    def __init__(self, tenant_id: int) -> None:
-        quota = Quota.objects.filter(tenant_id=tenant_id).first()
-        self.max_slots = quota.max_gpus * Gpu.SLOTS if quota is not None and quota.max_gpus else None
-        self.max_cu = quota.max_compute_units if quota is not None and quota.max_compute_units else None
-        held = tenant_held_share(tenant_id=tenant_id) if (self.max_slots or self.max_cu) else None
-        self.slots = held.slots if held else 0
-        self.cu_slots = held.cu_slots if held else Decimal(0)
-
-    def take(self, chosen: list[tuple[Gpu, list[int]]]) -> str | None:
-        slots = sum(len(picks) for _, picks in chosen)
-        cu = sum((gpu.model.compute_units if gpu.model else Decimal(0)) * len(picks) for gpu, picks in chosen)
-        if self.max_slots is not None and self.slots + slots > self.max_slots:
-            return (f"GPU quota exceeded: {self.slots / Gpu.SLOTS:g} in use + {slots / Gpu.SLOTS:g} "
-                    f"> {self.max_slots // Gpu.SLOTS}.")
-        if self.max_cu is not None and (self.cu_slots + cu) / Gpu.SLOTS > self.max_cu:
-            return (f"Compute-unit quota exceeded: {self.cu_slots / Gpu.SLOTS:g} in use + {cu / Gpu.SLOTS:g} "
-                    f"> {self.max_cu:g}.")
-        self.slots += slots
-        self.cu_slots += cu
-        return None
 
 
 def pending_reasons_set(*, reasons: dict[int, tuple[str, str, dict[str, Any]]]) -> int:

@@ -17,7 +17,7 @@ from django.utils import timezone
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.inventory.selectors import usable_pool_ids
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
-from broker.jobs.selectors import tenant_held_share
+from broker.jobs.quota import QuotaRoom
 from broker.jobs.spec import Demand, spec_to_json
 from broker.jobs.states import TERMINAL_STATES, JobState, is_legal
 from broker.tenancy.models import Quota, Tenant
@@ -249,31 +249,11 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
 
 
 def _check_quota(*, job: Job, adding: list[tuple[Gpu, int]]) -> None:
-    """Refuse what would take the tenant past its GPU or compute-unit quota.
-
-    Both count shares, in slots (docs/job-spec.md, "Quotas"): a job holding half of a GPU counts 0.5
-    GPU and half of that GPU's compute units, as the engine counts it (`Pricing.gpu_share`), so two
-    half-GPU jobs fit a quota of one GPU and a third does not, wherever they are placed.
-    """
-    quota = Quota.objects.filter(tenant_id=job.tenant_id).first()
-    if quota is None or not (quota.max_gpus or quota.max_compute_units):
-        return
-    held = tenant_held_share(tenant_id=job.tenant_id)
-    in_use_slots, adding_slots = held.slots, sum(slots for _, slots in adding)
-    if quota.max_gpus and in_use_slots + adding_slots > quota.max_gpus * Gpu.SLOTS:
-        raise JobError(f"GPU quota exceeded: {_gpus(in_use_slots)} in use + {_gpus(adding_slots)} "
-                       f"> {quota.max_gpus}.", field="resources", code="quota")
-    if quota.max_compute_units:
-        in_use_cu = held.cu_slots / Gpu.SLOTS
-        adding_cu = sum((gpu.model.compute_units if gpu.model else Decimal(0)) * slots
-                        for gpu, slots in adding) / Gpu.SLOTS
-        if in_use_cu + adding_cu > quota.max_compute_units:
-            raise JobError(f"Compute-unit quota exceeded: {in_use_cu:g} in use + {adding_cu:g} "
-                           f"> {quota.max_compute_units:g}.", field="resources", code="quota")
-
-
-def _gpus(slots: int) -> str:
-    return f"{slots / Gpu.SLOTS:g}"
+    """Refuse what would take the tenant past its GPU or compute-unit quota (broker/jobs/quota.py)."""
+    refused = QuotaRoom(job.tenant_id).take([(gpu.model.compute_units if gpu.model else Decimal(0), slots)
+                                             for gpu, slots in adding])
+    if refused is not None:
+        raise JobError(refused, field="resources", code="quota")
 
 
 def job_allocations_release(*, job: Job) -> int:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from django.dispatch import Signal
 
-# Sent after the transaction that created allocations in bulk commits (broker/jobs/batch.py), with
-# `allocation_ids`: bulk inserts send no post_save.
-allocations_committed = Signal()
+# Sent inside the transaction that inserted allocations in bulk (broker/jobs/batch.py), after their
+# slots, with `allocations` (saved, each with its `node` loaded) and `gpu_models` (allocation id -> the
+# model name of its first GPU). Bulk inserts send no post_save. A receiver's writes commit or roll back
+# with the placements; a receiver must not raise.
+allocations_placed = Signal()

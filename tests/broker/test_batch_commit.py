@@ -94,3 +94,48 @@ def test_pending_reasons_are_written_only_when_they_change(acme):
     assert JobEvent.objects.filter(kind="pending_reason").count() == events + 1
     jobs[0].refresh_from_db()
     assert jobs[0].pending_reason == "INSUFFICIENT_GPUS: 0/3 nodes fit"
+
+
+def test_each_allocation_placed_by_a_batch_gets_its_price_with_the_placement(acme):
+    from decimal import Decimal
+
+    from broker.billing.models import AllocationMeter, ChargebackRate
+    from broker.inventory.models import Pool, PoolKind
+    from broker.inventory.services import node_create_simulated
+
+    node = acme.nodes[0]
+    ChargebackRate.objects.create(pool=node.pool, gpu_model="A100-80GB", rate_usd_per_gpu_hour=Decimal("2.5"))
+    cheap = Pool.objects.create(tenant=acme.tenant, name="lab", kind=PoolKind.ONPREM, region="dc2",
+                                gpu_hour_rate_usd=Decimal("0.75"))
+    other = node_create_simulated(pool=cheap, name="lab-0", gpu_model=node.gpus.first().model, gpu_count=2,
+                                  nvlink_island_size=2, cpu_milli=16000, memory_mb=65536)
+    jobs = [submit(acme, name=f"priced{i}") for i in range(3)]
+    result = placements_commit(items=[(jobs[0], [GpuRequest(node=node, gpu_indices=(0,))]),
+                                      (jobs[1], [GpuRequest(node=node, gpu_indices=(1,), milli=500)]),
+                                      (jobs[2], [GpuRequest(node=other, gpu_indices=(0,))])])
+    assert sorted(result.placed) == sorted(j.pk for j in jobs)
+    meters = {m.allocation.job_id: m for m in AllocationMeter.objects.select_related("allocation")}
+    assert [(meters[j.pk].rate_usd_per_gpu_hour, meters[j.pk].rate_source) for j in jobs] == [
+        (Decimal("2.5"), "pool_model"), (Decimal("2.5"), "pool_model"), (Decimal("0.75"), "pool")]
+    event = JobEvent.objects.get(job=jobs[0], kind="state", reason_code="PLACED")
+    assert event.data["to"] == JobState.PLACED and event.created_at is not None
+
+
+def test_a_billing_failure_leaves_the_placements_and_the_metering_run_prices_them(acme, monkeypatch):
+    from django.utils import timezone
+
+    from broker.billing import services as billing
+    from broker.billing.models import AllocationMeter
+
+    def broken(**kwargs):
+        raise RuntimeError("the billing tables are unreadable")
+
+    monkeypatch.setattr(billing, "meters_create", broken)
+    jobs = [submit(acme, name=f"unbilled{i}") for i in range(2)]
+    result = placements_commit(items=[(job, [GpuRequest(node=acme.nodes[0], gpu_indices=(i,))])
+                                      for i, job in enumerate(jobs)])
+    assert sorted(result.placed) == sorted(j.pk for j in jobs)
+    assert Allocation.objects.filter(job__in=jobs, active=True).count() == 2
+    assert not AllocationMeter.objects.filter(allocation__job__in=jobs).exists()
+    assert billing.rates_fix(now=timezone.now()) == 2
+    assert AllocationMeter.objects.filter(allocation__job__in=jobs).count() == 2

@@ -125,15 +125,20 @@ def test_the_price_is_fixed_when_the_allocation_commits(acme):
     assert AllocationMeter.objects.get(allocation=alloc).rate_usd_per_gpu_hour == Decimal("3.100000")
 
 
-def test_a_bulk_placement_signal_fixes_the_prices(acme):
-    from broker.jobs.signals import allocations_committed
+def test_a_bulk_placement_fixes_each_price_in_its_own_transaction(acme):
+    """The set-based commit of a cycle (broker/jobs/batch.py) sends no post_save: its meters go in with
+    its placements, at the pool's price of that moment."""
+    from broker.jobs.batch import placements_commit
 
     pool = acme.pool
     pool.gpu_hour_rate_usd = Decimal("1.75")
     pool.save()
-    job = submit(acme, resources={"gpus": 1})
-    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(1,))])
-    alloc = Allocation.objects.get(job=job)
-    AllocationMeter.objects.filter(allocation=alloc).delete()  # as if inserted in bulk, without post_save
-    allocations_committed.send(sender=Allocation, allocation_ids=[alloc.pk])
-    assert AllocationMeter.objects.get(allocation=alloc).rate_usd_per_gpu_hour == Decimal("1.750000")
+    jobs = [submit(acme, resources={"gpus": 1}) for _ in range(2)]
+    result = placements_commit(items=[(job, [GpuRequest(node=acme.nodes[0], gpu_indices=(i,))])
+                                      for i, job in enumerate(jobs)])
+    assert sorted(result.placed) == sorted(j.pk for j in jobs)
+    pool.gpu_hour_rate_usd = Decimal("8.00")
+    pool.save()
+    meters = AllocationMeter.objects.filter(allocation__job__in=jobs)
+    assert sorted(m.rate_usd_per_gpu_hour for m in meters) == [Decimal("1.750000")] * 2
+    assert all(m.rate_source == "pool" for m in meters)
