@@ -81,11 +81,9 @@ def rates_fix(*, now: datetime, allocation_ids: list[int] | None = None) -> int:
              for pk, node_id, pool_id, pool_rate in rows]
     # One query for the instances and one for the overrides of all of them (per allocation this took
     # 6 ms: 5,000 placements of one cycle paid 30 s for their prices), one insert for the meters.
-    rates = current_rates(bases)
     before = AllocationMeter.objects.filter(allocation_id__in=ids).count()
     # Another run that fixed one first wins: its price stands (the unique allocation refuses ours).
-    objects_insert([AllocationMeter(allocation_id=pk, rate_usd_per_gpu_hour=rates[pk][0], rate_source=rates[pk][1],
-                                    spot=rates[pk][2], fixed_at=now) for pk in ids], ignore_conflicts=True)
+    objects_insert(_priced_meters(bases, now=now), ignore_conflicts=True)
     return AllocationMeter.objects.filter(allocation_id__in=ids).count() - before
 
 
@@ -101,11 +99,16 @@ def meters_create(*, now: datetime, allocations: list[Allocation], gpu_models: d
     bases = [PriceBasis(allocation_id=a.pk, node_id=a.node_id, pool_id=a.node.pool_id,
                         pool_rate=Decimal(pool_rates[a.node.pool_id]), gpu_model=gpu_models.get(a.pk, ""))
              for a in allocations]
-    rates = current_rates(bases)
-    objects_insert([AllocationMeter(allocation_id=a.pk, rate_usd_per_gpu_hour=rates[a.pk][0],
-                                    rate_source=rates[a.pk][1], spot=rates[a.pk][2], fixed_at=now)
-                    for a in allocations])
+    objects_insert(_priced_meters(bases, now=now))
     return len(allocations)
+
+
+def _priced_meters(bases: list[PriceBasis], *, now: datetime) -> list[AllocationMeter]:
+    """Unsaved meters of `bases` at the prices `current_rates` gives now."""
+    rates = current_rates(bases)
+    return [AllocationMeter(allocation_id=b.allocation_id, rate_usd_per_gpu_hour=rates[b.allocation_id][0],
+                            rate_source=rates[b.allocation_id][1], spot=rates[b.allocation_id][2], fixed_at=now)
+            for b in bases]
 
 
 def utilisation_sample(*, now: datetime) -> int:
