@@ -1,4 +1,5 @@
-"""Bulk inserts for the scheduling cycle's hot paths, without Django building one INSERT per chunk.
+"""Writes for hot paths (the scheduling cycle's bulk inserts, every agent's heartbeat), without Django
+compiling a statement per call.
 
 `QuerySet.bulk_create` compiles a many-placeholder INSERT (every value prepared and placed by the SQL
 compiler) and, on PostgreSQL, psycopg then parses it client-side: for a cycle placing 5,000 jobs that was
@@ -80,3 +81,33 @@ def objects_insert(objs: list[models.Model], *, with_ids: bool = False, ignore_c
     for obj in objs:
         obj._state.adding = False
         obj._state.db = connection.alias
+
+
+def row_update(model: type[models.Model], values: dict[str, Any], where: dict[str, Any], *,
+               unless: dict[str, Any] | None = None, returning: str | None = None) -> Any:
+    """`UPDATE model SET values WHERE where (AND NOT unless)`, one statement written by hand: for the
+    calls every agent makes every few seconds, where compiling `QuerySet.update` was most of its cost.
+    Fields by name (a foreign key by its field name, given the id); values prepared as Django saves them
+    (JSON included). Returns the number of rows changed, or with `returning` (PostgreSQL; SQLite since
+    3.35) that field's value of the changed row, None when no row changed."""
+    meta, quote = model._meta, connection.ops.quote_name
+
+    def column(name: str) -> str:
+        return quote(meta.pk.column if name in ("pk", "id") else meta.get_field(name).column)
+
+    def prepared(name: str, value: Any) -> Any:
+        field = meta.pk if name in ("pk", "id") else meta.get_field(name)
+        return field.get_db_prep_save(value, connection)
+
+    unless = unless or {}
+    sql = (f"UPDATE {quote(meta.db_table)} SET {', '.join(f'{column(n)} = %s' for n in values)} WHERE "
+           + " AND ".join([f"{column(n)} = %s" for n in where] + [f"{column(n)} <> %s" for n in unless])
+           + (f" RETURNING {column(returning)}" if returning else ""))
+    params = ([prepared(n, v) for n, v in values.items()] + [prepared(n, v) for n, v in where.items()]
+              + [prepared(n, v) for n, v in unless.items()])
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        if returning:
+            row = cursor.fetchone()
+            return row[0] if row else None
+        return cursor.rowcount

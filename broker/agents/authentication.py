@@ -5,7 +5,7 @@ from rest_framework import authentication, exceptions, permissions
 from rest_framework.request import Request
 
 from broker.agents.selectors import node_for_token
-from broker.agents.services import node_give_up, node_given_up
+from broker.agents.services import given_up_reason, node_give_up
 from broker.inventory.models import Node
 
 
@@ -19,7 +19,7 @@ class NodeTokenAuthentication(authentication.BaseAuthentication):
         node = node_for_token(header[1])
         if node is None:
             raise exceptions.AuthenticationFailed("Invalid or revoked node token.")
-        given_up = node_given_up(node)
+        given_up = given_up_reason(node_state=node.state, instance_state=node.instance_state)
         if given_up is not None:
             # Checked on every call rather than only where the broker gives up (lost-node sweep,
             # termination, reconciler...): whichever path got there, the token stops working here.

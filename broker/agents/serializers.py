@@ -16,8 +16,8 @@ from typing import Any
 from rest_framework import serializers
 
 from broker.api.excerpts import quoted
-from broker.api.fields import (StrictBooleanField, StrictCharField, StrictFloatField, StrictIntegerField,
-                               StrictSerializer)
+from broker.api.fields import (PrebuiltFieldsMixin, StrictBooleanField, StrictCharField, StrictFloatField,
+                               StrictIntegerField, StrictSerializer)
 from broker.inventory.labels import MAX_LABELS, label_key_problem, label_value_problem
 
 MAX_GPUS = 64  # more GPUs than any real node has; bounds the work one request can cause
@@ -254,7 +254,7 @@ class RegisterSerializer(StrictSerializer):
 
 
 # -- heartbeats ----------------------------------------------------------------------------------
-class ReadingSerializer(StrictSerializer):
+class ReadingSerializer(PrebuiltFieldsMixin, StrictSerializer):
     index = _int(min_value=0, max_value=MAX_GPUS - 1)
     uuid = _text(64)
     utilization_pct = _nullable_int(min_value=0, max_value=100)
@@ -276,7 +276,7 @@ class ReadingSerializer(StrictSerializer):
     health_reasons = serializers.ListField(child=StrictCharField(max_length=500), required=False, max_length=32)
 
 
-class ProcessSerializer(StrictSerializer):
+class ProcessSerializer(PrebuiltFieldsMixin, StrictSerializer):
     assignment_id = StrictCharField(max_length=32)
     job_id = _text(32, nullable=False)
     epoch = _int(required=False, min_value=0, max_value=2**31 - 1)
@@ -285,7 +285,7 @@ class ProcessSerializer(StrictSerializer):
     state = _choice(["running", "stopping"], required=False)
 
 
-class InterruptionSerializer(StrictSerializer):
+class InterruptionSerializer(PrebuiltFieldsMixin, StrictSerializer):
     """The cloud's notice that it takes the instance back (agent/spot.py)."""
 
     kind = _choice(["spot"])
@@ -294,7 +294,7 @@ class InterruptionSerializer(StrictSerializer):
     source = _choice(["aws", "gcp", "local"])
 
 
-class HeartbeatSerializer(StrictSerializer):
+class HeartbeatSerializer(PrebuiltFieldsMixin, StrictSerializer):
     agent_version = _text(32, nullable=False)
     sent_at = _nullable_float(min_value=0)
     sampled_at = _nullable_float(min_value=0)

@@ -29,6 +29,7 @@ from broker.jobs.migration import migration_job_running, migration_source_stoppe
 from broker.jobs.services import (IllegalTransition, StaleState, event_append, job_requeue, job_transition,
                                   jobs_requeue_on_node)
 from broker.jobs.states import TERMINAL_STATES, JobState
+from broker.rows import row_update
 from broker.tenancy import tokens
 
 log = logging.getLogger(__name__)
@@ -260,15 +261,21 @@ def node_given_up(node: Node) -> str | None:
     presents its old credentials may bring it back and be handed jobs (issue 8: a re-registered
     instance took over a healthy instance's job). On-prem nodes come back from LOST by themselves.
     """
+    return given_up_reason(node_state=node.state,
+                           instance_state=CloudInstance.objects.filter(node=node).values_list("state", flat=True).first())
+
+
+def given_up_reason(*, node_state: str, instance_state: str | None) -> str | None:
+    """`node_given_up` from what was read: the node's state and its cloud instance's (None: it has none).
+    The agents' authentication reads both with the node, in the one query every agent call makes."""
     from broker.provisioning.offers import LIVE_INSTANCE_STATES
 
-    instance_state = CloudInstance.objects.filter(node=node).values_list("state", flat=True).first()
     if instance_state is None:
         return None
     if instance_state not in LIVE_INSTANCE_STATES:
         return f"its cloud instance is {instance_state}"
-    if node.state in (NodeState.LOST, NodeState.OFFLINE):  # callers pass a row they just read
-        return f"the node is {node.state}"
+    if node_state in (NodeState.LOST, NodeState.OFFLINE):  # callers pass a row they just read
+        return f"the node is {node_state}"
     return None
 
 
@@ -329,63 +336,71 @@ def node_confirm_powered_off(*, node: Node, by: AbstractBaseUser) -> list[int]:
 
 
 # -- heartbeats ----------------------------------------------------------------------------------
-TELEMETRY_COLUMNS = ("utilization_pct", "memory_used_mb", "temperature_c", "power_w", "ecc_errors", "health",
-                     "mig_mode", "last_seen_at")
+# Gpu column <- what a heartbeat's reading says (mig_mode apart: it is kept unless the reading says).
+_READING_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("utilization_pct", lambda r: r.get("utilization_pct")),
+    ("memory_used_mb", lambda r: r.get("memory_used_mb")),
+    ("temperature_c", lambda r: r.get("temperature_c")),
+    ("power_w", lambda r: r.get("power_w")),
+    ("ecc_errors", lambda r: r.get("ecc_uncorrected") or 0),
+    ("health", lambda r: r["health"]),
+)
+_MIG_MODES = {"enabled": True, "disabled": False}
 
 
-def _telemetry_write(gpus: list[Gpu]) -> None:
-    """One parameterised UPDATE per GPU, sent as one executemany: Django's bulk_update built a CASE WHEN
-    per column and GPU, 45% of a heartbeat's CPU (bench.service: 1,000 nodes every 5 s took 84% of a core)."""
-    if not gpus:
+def _telemetry_write(*, node_id: int, readings: list[dict[str, Any]], now: datetime) -> None:
+    """One parameterised UPDATE per reading, keyed by the node and the GPU's index, sent as one
+    executemany: no read of the GPU rows first, no model instances (Django's bulk_update built a CASE WHEN
+    per column and GPU: 45% of a heartbeat's CPU in bench.service). A reading of an index the node did not
+    register matches no row."""
+    if not readings:
         return
-    table = connection.ops.quote_name(Gpu._meta.db_table)
-    columns = ", ".join(f"{connection.ops.quote_name(Gpu._meta.get_field(c).column)} = %s" for c in TELEMETRY_COLUMNS)
-    rows = [[Gpu._meta.get_field(c).get_db_prep_save(getattr(gpu, c), connection) for c in TELEMETRY_COLUMNS]
-            + [gpu.pk] for gpu in gpus]
+    field, quote = Gpu._meta.get_field, connection.ops.quote_name
+    columns = [field(name) for name, _ in _READING_COLUMNS]
+    mig, seen = quote(field("mig_mode").column), field("last_seen_at").get_db_prep_save(now, connection)
+    sets = ", ".join([f"{quote(c.column)} = %s" for c in columns]
+                     + [f"{quote(field('last_seen_at').column)} = %s", f"{mig} = COALESCE(%s, {mig})"])
+    rows = [[c.get_db_prep_save(value(reading), connection) for c, (_, value) in zip(columns, _READING_COLUMNS)]
+            + [seen, _MIG_MODES.get(reading.get("mig_mode")), node_id, reading["index"]] for reading in readings]
     with connection.cursor() as cursor:
-        cursor.executemany(f"UPDATE {table} SET {columns} WHERE id = %s", rows)
+        cursor.executemany(f"UPDATE {quote(Gpu._meta.db_table)} SET {sets} "
+                           f"WHERE {quote(field('node').column)} = %s AND {quote(field('index').column)} = %s", rows)
 
 
 def agent_heartbeat(*, node: Node, data: dict[str, Any]) -> dict[str, Any]:
-    """Store the node's telemetry per GPU; bring a LOST on-prem node back ONLINE. Returns the answer body."""
+    """Store the node's telemetry per GPU; bring a LOST on-prem node back ONLINE. Returns the answer body.
+
+    Every node calls this every few seconds, so it is three statements in the common case: the node's
+    stamp (with its epoch), its GPUs' readings, its agent's last words."""
     now = timezone.now()
     agent_version = data.get("agent_version") or node.agent_version
+    came_back = False
     with transaction.atomic():
-        # A cloud instance's node never comes back from LOST (node_given_up; the authentication
-        # refuses its token already, this is the second lock on the same door).
-        came_back = Node.objects.filter(pk=node.pk, state=NodeState.LOST, instance__isnull=True).update(
-            state=NodeState.ONLINE, last_heartbeat_at=now, agent_version=agent_version) == 1
-        if not came_back:
-            Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now, agent_version=agent_version)
-        gpus = {g.index: g for g in Gpu.objects.filter(node=node)}
-        changed = []
-        for reading in data.get("telemetry", []):
-            gpu = gpus.get(reading["index"])
-            if gpu is None:
-                continue  # a GPU the node did not register: nothing to attach it to
-            gpu.utilization_pct = reading.get("utilization_pct")
-            gpu.memory_used_mb = reading.get("memory_used_mb")
-            gpu.temperature_c = reading.get("temperature_c")
-            gpu.power_w = reading.get("power_w")
-            gpu.ecc_errors = reading.get("ecc_uncorrected") or 0
-            gpu.health = reading["health"]
-            if reading.get("mig_mode") in ("enabled", "disabled"):
-                gpu.mig_mode = reading["mig_mode"] == "enabled"
-            gpu.last_seen_at = now
-            changed.append(gpu)
-        _telemetry_write(changed)
+        # The node's stamp, with the epoch it has at this moment, unless it is LOST (broker/rows.py: the
+        # statements of this function are written by hand, as every node calls it every few seconds).
+        epoch = row_update(Node, {"last_heartbeat_at": now, "agent_version": agent_version}, {"pk": node.pk},
+                           unless={"state": NodeState.LOST}, returning="epoch")
+        if epoch is None:
+            # LOST: an on-prem node comes back ONLINE. A cloud instance's node never does (node_given_up;
+            # the authentication refuses its token already, this is the second lock on the same door).
+            came_back = Node.objects.filter(pk=node.pk, state=NodeState.LOST, instance__isnull=True).update(
+                state=NodeState.ONLINE, last_heartbeat_at=now, agent_version=agent_version) == 1
+            if not came_back:
+                Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now, agent_version=agent_version)
+        _telemetry_write(node_id=node.pk, readings=data.get("telemetry", []), now=now)
         metrics = {"metrics_url": data["metrics_url"]} if "metrics_url" in data else {}
-        NodeAgent.objects.filter(node=node).update(
-            last_telemetry=data.get("telemetry", []), processes=data.get("processes", []),
-            missed_heartbeats=data.get("missed_heartbeats") or 0, last_error=data.get("last_error") or "",
-            **metrics)
+        row_update(NodeAgent, {"last_telemetry": data.get("telemetry", []), "processes": data.get("processes", []),
+                               "missed_heartbeats": data.get("missed_heartbeats") or 0,
+                               "last_error": data.get("last_error") or "", **metrics}, {"node": node.pk})
     if data.get("interruption"):
         from broker.agents.interruptions import node_interruption_notice
 
         node_interruption_notice(node=node, notice=data["interruption"])
+        epoch = None  # the notice may requeue the node's jobs: the answer reads the epoch after it
     if came_back:
         log.warning("node %s is back after being marked LOST", node.name)  # pragma: no mutate
-    epoch = Node.objects.filter(pk=node.pk).values_list("epoch", flat=True).get()
+    if epoch is None:
+        epoch = Node.objects.filter(pk=node.pk).values_list("epoch", flat=True).get()
     return {"epoch": epoch, "lost": came_back, "heartbeat_seconds": heartbeat_seconds()}
 
 

@@ -1,6 +1,7 @@
 """Strict serializer building blocks: unknown keys and loosely typed values are errors, not guesses."""
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from rest_framework import serializers
@@ -22,6 +23,29 @@ class StrictSerializer(serializers.Serializer):
         if errors:
             raise serializers.ValidationError(errors)
         return value
+
+
+class PrebuiltFieldsMixin:
+    """For serializers on a hot path (every agent's heartbeat, every few seconds) that never read
+    `self.context`, `parent` or `instance` while validating: the declared fields are deep-copied once per
+    class, and each new serializer binds shallow copies of them. DRF deep-copies every declared field
+    per instance by calling its `__init__` again (validators, error messages): for a heartbeat's four GPU
+    readings that was a quarter of the broker's CPU per heartbeat (bench.service, py-spy).
+
+    A field's bound state (name, parent, source) lives in its own copy; what the copies share is what
+    validation only reads: validators (built once here), error messages, a ListField's child, a nested
+    `many=True` serializer's child (ListSerializer validates each item through its one child).
+    """
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        cls = type(self)
+        prototype = cls.__dict__.get("_prebuilt_fields")
+        if prototype is None:
+            prototype = super().get_fields()  # type: ignore[misc]
+            for field in prototype.values():
+                field.validators  # built now, so the copies share them instead of each building its own
+            cls._prebuilt_fields = prototype
+        return {name: copy.copy(field) for name, field in prototype.items()}
 
 
 class StrictIntegerField(serializers.IntegerField):

@@ -200,6 +200,34 @@ def test_bad_heartbeats_are_refused_and_change_nothing(registered, body):
     assert NodeAgent.objects.get(node=node).last_telemetry == []
 
 
+def test_heartbeats_checked_at_once_each_get_their_own_answer():
+    """The heartbeat's serializers share their fields' prototypes across requests (PrebuiltFieldsMixin):
+    sixteen threads checking bodies at once must each get their own values and their own errors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from broker.agents.serializers import HeartbeatSerializer
+
+    def check(i: int) -> tuple[int, bool, object]:
+        bad = i % 2 == 1  # odd bodies carry one bad reading, at a position of their own
+        telemetry = [reading(k, utilization_pct=(101 + i) if bad and k == i % 4 else i % 100) for k in range(4)]
+        body = {"agent_version": f"v{i}", "telemetry": telemetry, "missed_heartbeats": i}
+        serializer = HeartbeatSerializer(data=body)
+        ok = serializer.is_valid()
+        return i, ok, serializer.validated_data if ok else serializer.errors
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(check, range(400)))
+    for i, ok, answer in answers:
+        if i % 2 == 0:
+            assert ok, answer
+            assert answer["agent_version"] == f"v{i}" and answer["missed_heartbeats"] == i
+            assert [r["utilization_pct"] for r in answer["telemetry"]] == [i % 100] * 4
+        else:
+            assert not ok
+            assert list(answer["telemetry"]) == [i % 4], answer  # the error is where this body had its bad reading, only there
+            assert "utilization_pct" in answer["telemetry"][i % 4]
+
+
 # -- job isolation ---------------------------------------------------------------------------------
 def test_job_isolation_is_stored_and_shown_to_the_tenant(acme, join_token):
     body = {**register_body(join_token), "job_isolation": "shared-user"}
