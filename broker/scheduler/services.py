@@ -28,7 +28,7 @@ from django.utils import timezone
 from broker.inventory.models import Gpu, Node, PoolKind
 from broker.inventory.selectors import pool_team_ids, scheduling_component, scheduling_components
 from broker.jobs.checkpoints import committed_checkpoint
-from broker.jobs.batch import pending_reasons_set, placements_commit
+from broker.jobs.batch import JobRef, pending_reasons_set, placements_commit
 from broker.jobs.migration import migration_request, open_migration
 from broker.jobs.models import Job, MigrationCause
 from broker.jobs.services import GpuRequest, JobError, job_set_pending_reason, job_transition
@@ -217,15 +217,20 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
     outcome = CycleOutcome(ran=True, plan=plan)
     component = tenants if tenants is not None else scheduling_component(tenant)
     tenant_ids = [t.pk for t in component]
-    # The JSON columns a commit does not read are left to load on first use (a preemption's or launch's
-    # few jobs): decoding them for 5,000 placed jobs was a tenth of the commit (bench.service).
-    jobs = {str(j.pk): j for j in Job.objects.filter(tenant_id__in=tenant_ids, pk__in=_job_ids(plan))
+    # Every job of the plan as a plain (id, team) row: placements and pending reasons need no more, and
+    # 5,000 model instances with their tenants were 0.5 s of the commit (bench.service). Full instances
+    # only for the few jobs that preemptions, moves and launches act on.
+    slug_of = {t.pk: t.slug for t in component}
+    refs = {str(pk): JobRef(pk, tenant_id) for pk, tenant_id in Job.objects.filter(
+        tenant_id__in=tenant_ids, pk__in=_job_ids(plan)).values_list("pk", "tenant_id")}
+    # The JSON columns none of these read are left to load on first use.
+    jobs = {str(j.pk): j for j in Job.objects.filter(tenant_id__in=tenant_ids, pk__in=_acted_on_ids(plan))
             .select_related("tenant").defer("spec", "secret_env", "pending_reason_data", "gpu_alternatives")}
     nodes = {str(n.pk): n for n in Node.objects.filter(tenant_id__in=tenant_ids)}
     access = pool_team_ids({n.pool_id for n in nodes.values()}
                            | {ref.pool.pk for ref in (offer_index or {}).values()})
 
-    def may_use(job: Job, pool_id: int) -> bool:
+    def may_use(job: Job | JobRef, pool_id: int) -> bool:
         return job.tenant_id in access.get(pool_id, frozenset())
 
     for preemption in plan.preemptions:
@@ -273,9 +278,9 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
     for move in plan.migrations:
         _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome, may_use=may_use, jobs=jobs)
 
-    on_nodes: list[tuple[Job, list[GpuRequest]]] = []
+    on_nodes: list[tuple[JobRef, list[GpuRequest]]] = []
     for placement in plan.placements:
-        job = jobs.get(placement.job_id)
+        job = refs.get(placement.job_id)
         if job is None or any(part.node_id is None for part in placement.parts):
             continue  # launch placements are committed with their launch below
         requests = [GpuRequest(node=nodes[part.node_id], gpu_indices=part.gpu_indices, milli=part.gpu_milli)
@@ -285,7 +290,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
             continue
         refused = [r.node.name for r in requests if not may_use(job, r.node.pool_id)]
         if refused:
-            outcome.conflicts.append(f"job {job.pk}: team {job.tenant.slug} may not use the pool of "
+            outcome.conflicts.append(f"job {job.pk}: team {slug_of[job.tenant_id]} may not use the pool of "
                                      f"{', '.join(refused)}")
             continue
         on_nodes.append((job, requests))
@@ -301,7 +306,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
             outcome.conflicts.append(f"launch {launch.launch_id}: unknown offer {launch.offer_id}")
             continue
         refused = [job_id for job_id in launch.job_ids
-                   if job_id in jobs and not may_use(jobs[job_id], ref.pool.pk)]
+                   if job_id in refs and not may_use(refs[job_id], ref.pool.pk)]
         if refused:
             # Nothing is rented for a team the pool is not shared with: the whole launch waits.
             outcome.conflicts.append(f"launch {launch.launch_id}: pool {ref.pool.name} is not shared with the "
@@ -326,7 +331,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
 
     # Reasons in chunks, one transaction each: one per job took SQLite's write lock thousands of times a
     # cycle and starved the web server's writers (bench/submit_load.py: about 2x the submissions per second at 32 threads).
-    pending = [(jobs[job_id], reason) for job_id, reason in plan.pending.items() if job_id in jobs]
+    pending = [(refs[job_id], reason) for job_id, reason in plan.pending.items() if job_id in refs]
     listed = {str(i) for _, reason in pending for key in _JOB_LIST_KEYS
               if isinstance(reason.data.get(key), (list, tuple)) for i in reason.data[key]}
     team_of = {str(pk): tenant_id for pk, tenant_id in Job.objects.filter(
@@ -346,7 +351,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
 _JOB_LIST_KEYS = ("victims", "moved")
 
 
-def _reason_for_team(*, job: Job, reason: sm.Reason, team_of: dict[str, int]) -> tuple[str, dict]:
+def _reason_for_team(*, job: Job | JobRef, reason: sm.Reason, team_of: dict[str, int]) -> tuple[str, dict]:
     """The engine's reason as the job's own team may read it: ids of another team's jobs (the borrowed
     jobs a reclaim stops, jobs a defragmentation moves off a shared node) are replaced by a count, in the
     data and in the sentence, which the engine writes as ", ".join(ids). Hostile tenancy (DESIGN.md):
@@ -399,6 +404,15 @@ def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], 
         outcome.moved.append(job.pk)
     except JobError as exc:
         outcome.conflicts.append(f"move {job.pk}: {exc}")
+
+
+def _acted_on_ids(plan: sm.Plan) -> set[int]:
+    """The jobs a plan's preemptions, moves and launches act on (as Job instances)."""
+    ids = {p.victim_job_id for p in plan.preemptions} | {p.for_job_id for p in plan.preemptions}
+    ids |= {m.job_id for m in plan.migrations} | {m.for_job_id for m in plan.migrations if m.for_job_id}
+    ids |= {job_id for launch in plan.launches for job_id in launch.job_ids}
+    ids |= {p.job_id for p in plan.placements if any(part.node_id is None for part in p.parts)}
+    return {int(i) for i in ids if str(i).isdigit()}
 
 
 def _job_ids(plan: sm.Plan) -> set[int]:
