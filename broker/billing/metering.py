@@ -126,15 +126,9 @@ def instance_rate(instance: CloudInstance) -> Decimal:
 
 def current_rate(alloc: Allocation) -> tuple[Decimal, str, bool]:
     """(rate $/GPU-hour, source, spot) for an allocation as prices stand now (fixed once by its meter)."""
-    instance = CloudInstance.objects.filter(node_id=alloc.node_id).first()
-    if instance is not None:
-        return instance_rate(instance), "instance", instance.spot
     pool = alloc.node.pool
-    model = _gpu_model(alloc)
-    override = ChargebackRate.objects.filter(pool=pool, gpu_model=model).first() if model else None
-    if override is not None:
-        return Decimal(override.rate_usd_per_gpu_hour), "pool_model", False
-    return Decimal(pool.gpu_hour_rate_usd), "pool", False
+    return current_rates([PriceBasis(allocation_id=alloc.pk, node_id=alloc.node_id, pool_id=pool.pk,
+                                     pool_rate=Decimal(pool.gpu_hour_rate_usd), gpu_model=_gpu_model(alloc))])[alloc.pk]
 
 
 class PriceBasis(NamedTuple):
@@ -147,7 +141,9 @@ class PriceBasis(NamedTuple):
 
 
 def current_rates(bases: list[PriceBasis]) -> dict[int, tuple[Decimal, str, bool]]:
-    """`current_rate` of many allocations in two queries (the instances, the pools' overrides)."""
+    """(rate $/GPU-hour, source, spot) of each allocation as prices stand now, in two queries (the
+    instances, the pools' overrides): a rented instance's price, else the pool's override for the GPU
+    model, else the pool's rate."""
     instances = {i.node_id: i for i in CloudInstance.objects.filter(node_id__in={b.node_id for b in bases})}
     overrides = {(o.pool_id, o.gpu_model): Decimal(o.rate_usd_per_gpu_hour) for o in ChargebackRate.objects.filter(
         pool_id__in={b.pool_id for b in bases})}
