@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench.procs import free_port
 from broker.ops.web import web_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,12 +52,6 @@ def job_alias_bomb(levels: int = 8, width: int = 9) -> bytes:
     lines = ["name: bomb", "command: [python, train.py]", *_anchors(levels, width),
              f"resources: {{gpus: 1, interconnect: *a{levels - 1}}}"]
     return ("\n".join(lines) + "\n").encode()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _own_rss_mb(pid: int) -> float:
@@ -124,7 +118,7 @@ def measure(runs: int, timeout_s: float) -> dict:
         seeded = subprocess.run([sys.executable, "manage.py", "seed_demo"], cwd=ROOT, env=env, check=True,
                                 capture_output=True, text=True).stdout
         token = next(line.split()[2] for line in seeded.splitlines() if line.startswith("TOKEN acme "))
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         server = subprocess.Popen(web_command(host="127.0.0.1", port=port),
                                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

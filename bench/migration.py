@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import yaml
 
 from bench.backends import POSTGRES_SERVER, REDIS_SERVER, backend  # noqa: F401 (re-exported)
-from bench.procs import live_processes
+from bench.procs import free_port, live_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.1  # the brief's polling interval for state changes
@@ -230,7 +230,7 @@ def service(extra_env: dict[str, str]) -> Iterator[Service]:
         seeded = subprocess.run([*manage, "seed_demo"], cwd=ROOT, env=env, check=True, capture_output=True,
                                 text=True).stdout
         token = next(line.split()[2] for line in seeded.splitlines() if line.startswith("TOKEN acme "))
-        port = _free_port()
+        port = free_port()
         # Its own session, as a terminal gives `make run`: the group is what the stop signals.
         process = subprocess.Popen([*manage, "serve", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
                                    env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -252,14 +252,6 @@ def service(extra_env: dict[str, str]) -> Iterator[Service]:
         log.close()
         shutil.rmtree(var_dir, ignore_errors=True)
         shutil.rmtree(checkpoint_root, ignore_errors=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stop_group(process: subprocess.Popen) -> None:

@@ -1,8 +1,10 @@
 """The machine's live processes, read from /proc: what the benchmarks and the end-to-end tests use to
-find (and clean up after) the processes a service they started left running."""
+find (and clean up after) the processes a service they started left running; and a free loopback port to
+start one on."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -22,3 +24,10 @@ def live_processes() -> Iterator[tuple[int, list[str], bytes]]:
         except OSError:
             continue
         yield int(proc.name), argv, environ
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on at this moment (the kernel's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.hostile_input import _free_port, _wait_up
+from bench.hostile_input import _wait_up
+from bench.procs import free_port
 from bench.procs import live_processes
 from broker.ops.web import web_command
 
@@ -83,7 +84,7 @@ def seeded_server(var_dir: Path, *, worker: bool = True, env: dict[str, str] | N
     tokens = _seed(env)
     if prepare is not None:
         prepare(env)
-    port = _free_port()
+    port = free_port()
     if worker:
         command = ["manage.py", "serve", "--no-agents", "--host", "127.0.0.1", "--port", str(port)]
     else:
@@ -124,7 +125,7 @@ def production_server(var_dir: Path, db_env: dict[str, str], *, worker: bool = T
     tokens = _seed(env)
     if prepare is not None:
         prepare(env)
-    port = _free_port()
+    port = free_port()
     with _served(production_commands(port, worker=worker, var_dir=var_dir), var_dir, env,
                  f"http://127.0.0.1:{port}", tokens) as server:
         yield server

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -18,15 +17,10 @@ from django.utils import timezone
 from tests.agent.clock import FakeClock
 
 from .test_agent_live import make_agent, join_token  # noqa: F401 (fixture)
+from bench.procs import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="needs Debian's prometheus (.ci/run installs it)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def query(base: str, promql: str) -> list[dict]:

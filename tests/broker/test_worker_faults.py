@@ -20,14 +20,9 @@ from broker.jobs.states import JobState
 
 from .conftest import requires_postgres, requires_redis
 from .test_api_tenancy import submit
+from bench.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrivateRedis:

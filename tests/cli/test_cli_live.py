@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from django.urls import Resolver404, resolve
 
+from bench.procs import free_port
 from broker.jobs.models import Job
 from broker.jobs.services import GpuRequest, allocation_commit, event_append, job_cancel, job_transition
 from broker.jobs.states import JobState
@@ -18,7 +19,7 @@ from broker.tenancy.services import api_token_create
 from tests.broker.test_api_tenancy import submit
 from whalezen import cli
 
-from .conftest import WHALEZEN, Wz, free_port
+from .conftest import WHALEZEN, Wz
 
 JOB_KEYS = {"id", "name", "state", "priority", "preemptible", "owner", "spec", "demand", "pending_reason",
             "allocations", "created_at", "updated_at", "started_at", "finished_at"}

@@ -19,14 +19,9 @@ from pathlib import Path
 from typing import Iterator
 
 from bench.procs import live_processes
+from bench.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def service_env(var_dir: Path, **extra: str) -> dict[str, str]:
