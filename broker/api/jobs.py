@@ -13,7 +13,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from broker.api.base import TenantScopedMixin
-from broker.api.fields import StrictCharField, StrictSerializer
+from broker.api.fields import PrebuiltFieldsMixin, StrictCharField, StrictSerializer
 from broker.api.schema import CONFLICT, THROTTLED, WhaleZenAutoSchema
 from broker.api.throttles import JobSubmitThrottle
 from broker.jobs import services
@@ -42,7 +42,7 @@ class PendingReasonSerializer(serializers.Serializer):
     data = serializers.JSONField(source="pending_reason_data")
 
 
-class JobSerializer(serializers.ModelSerializer):
+class JobSerializer(PrebuiltFieldsMixin, serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
     demand = serializers.SerializerMethodField()
     pending_reason = serializers.SerializerMethodField()
@@ -79,7 +79,7 @@ class JobSerializer(serializers.ModelSerializer):
                  "epoch": a.epoch} for a in job.allocations.all() if a.active]
 
 
-class SubmitQuerySerializer(StrictSerializer):
+class SubmitQuerySerializer(PrebuiltFieldsMixin, StrictSerializer):
     dry_run = serializers.BooleanField(required=False, help_text="1: validate and normalise only; nothing is created.")
     # Not `format`: DRF reads ?format= as the response renderer (the costs API's ?format=csv).
     spec_format = serializers.ChoiceField(choices=FORMATS, required=False,

@@ -86,24 +86,27 @@ def job_columns(validated: dict[str, Any]) -> dict[str, Any]:
 def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, Any]) -> Job:
     """Create a PENDING job from a validated spec (see `JobSpecSerializer`), all or nothing."""
     demand: Demand = validated["_demand"]
-    quota = Quota.objects.filter(tenant=tenant).first()
+    # The three limits as one plain row (one per tenant: no ORDER BY, no model instance), on every submission.
+    quota = next(iter(Quota.objects.filter(tenant_id=tenant.pk)
+                      .values_list("max_gpus", "max_compute_units", "max_pending_jobs")[:1]), None)
     if quota is not None:
-        if quota.max_gpus and demand.total_gpus > quota.max_gpus:
+        max_gpus, max_compute_units, max_pending_jobs = quota
+        if max_gpus and demand.total_gpus > max_gpus:
             raise JobError(
-                f"The job asks for {demand.total_gpus} GPUs; your tenant's quota allows {quota.max_gpus} at once.",
+                f"The job asks for {demand.total_gpus} GPUs; your tenant's quota allows {max_gpus} at once.",
                 field="resources",
             )
-        if quota.max_compute_units and demand.compute_units and Decimal(str(demand.compute_units)) > quota.max_compute_units:
+        if max_compute_units and demand.compute_units and Decimal(str(demand.compute_units)) > max_compute_units:
             raise JobError(
-                f"The job asks for {demand.compute_units} compute units; your quota allows {quota.max_compute_units}.",
+                f"The job asks for {demand.compute_units} compute units; your quota allows {max_compute_units}.",
                 field="resources",
             )
     with transaction.atomic():
         if quota is not None:
             pending = Job.objects.filter(tenant=tenant, state=JobState.PENDING).count()
-            if pending >= quota.max_pending_jobs:
+            if pending >= max_pending_jobs:
                 raise JobError(
-                    f"Your tenant already has {pending} pending jobs (limit {quota.max_pending_jobs}).",
+                    f"Your tenant already has {pending} pending jobs (limit {max_pending_jobs}).",
                     field="non_field_errors", code="throttled",
                 )
         job = Job.objects.create(

@@ -20,6 +20,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from broker.api.fields import (
+    PrebuiltFieldsMixin,
     StrictBooleanField,
     StrictCharField,
     StrictFloatField,
@@ -239,7 +240,7 @@ class KubernetesLimitsField(serializers.Field):
         return value
 
 
-class ResourcesSerializer(StrictSerializer):
+class ResourcesSerializer(PrebuiltFieldsMixin, StrictSerializer):
     gpus = StrictIntegerField(required=False, min_value=1, max_value=MAX_GPUS_PER_NODE,
                               help_text="GPUs per node.")
     gpu_models = StringListField(required=False, min_length=1, max_length=32,
@@ -274,7 +275,7 @@ class ResourcesSerializer(StrictSerializer):
         return attrs
 
 
-class PlacementSerializer(StrictSerializer):
+class PlacementSerializer(PrebuiltFieldsMixin, StrictSerializer):
     providers = serializers.ListField(child=serializers.ChoiceField(choices=PROVIDERS), required=False,
                                       min_length=1, max_length=len(PROVIDERS))
     regions = StringListField(required=False, min_length=1, max_length=64)
@@ -327,7 +328,7 @@ def checkpoint_roots() -> list[str]:
     return [_resolved(root) for root in settings.WHALEZEN_CHECKPOINT_ROOTS if root.startswith("/")]
 
 
-class CheckpointSerializer(StrictSerializer):
+class CheckpointSerializer(PrebuiltFieldsMixin, StrictSerializer):
     uri = StrictCharField(max_length=1024, help_text="s3://bucket/prefix, or an absolute path or file:// URI "
                                                      "under one of the broker's checkpoint roots.")
     interval_minutes = StrictIntegerField(required=False, min_value=1, max_value=24 * 60)
@@ -376,7 +377,7 @@ FILE_SOURCE_RE = re.compile(r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^\x00]*
 MAX_FILES = 64
 
 
-class FileSerializer(StrictSerializer):
+class FileSerializer(PrebuiltFieldsMixin, StrictSerializer):
     source = StrictCharField(max_length=1024, help_text="s3://bucket/key-or-prefix, gs://bucket/key-or-prefix, "
                                                         "or upload:<id> (POST /api/v1/uploads/).")
     destination = StrictCharField(max_length=1024, help_text="~/path or a relative path (under the job's home); "
@@ -396,7 +397,7 @@ class FileSerializer(StrictSerializer):
         return value
 
 
-class JobSpecSerializer(StrictSerializer):
+class JobSpecSerializer(PrebuiltFieldsMixin, StrictSerializer):
     name = StrictCharField(max_length=200)
     command = serializers.ListField(child=StrictCharField(max_length=8192, allow_blank=True), required=False,
                                     min_length=1, max_length=1024)

@@ -5,8 +5,7 @@ from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
 from broker.tenancy.context import TenantContext
-from broker.tenancy.models import Membership
-from broker.tenancy.services import api_token_authenticate
+from broker.tenancy.services import api_token_membership_authenticate
 
 
 class BearerTokenAuthentication(authentication.BaseAuthentication):
@@ -21,10 +20,10 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             return None
         if len(parts) != 2:
             raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <token>'.")
-        token = api_token_authenticate(presented=parts[1])
-        if token is None:
+        found = api_token_membership_authenticate(presented=parts[1])
+        if found is None:
             raise exceptions.AuthenticationFailed("Invalid, expired or revoked token.")
-        membership = Membership.objects.filter(tenant=token.tenant, user=token.user).first()
+        token, membership = found
         if membership is None or not token.user.is_active:
             raise exceptions.AuthenticationFailed("The token's user no longer belongs to its tenant.")
         return token.user, TenantContext(tenant=token.tenant, membership=membership, token=token)

@@ -4,13 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
-from typing import Sequence
+from typing import Any, Sequence
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, FilteredRelation, Q, QuerySet
 from django.utils import timezone
 
 from broker.tenancy import tokens
@@ -95,17 +95,93 @@ def api_token_revoke(*, token: ApiToken) -> ApiToken:
 
 def api_token_authenticate(*, presented: str) -> ApiToken | None:
     """The active token matching `presented`, or None. Records last use at most once a minute."""
+    found = api_token_membership_authenticate(presented=presented)
+    return found[0] if found is not None else None
+
+
+def api_token_membership_authenticate(*, presented: str) -> tuple[ApiToken, Membership | None] | None:
+    """`api_token_authenticate`, with the token's user's membership of the token's tenant (None when
+    the user has left it), read in the same query: this runs on every API request, and the second
+    query (and its compilation) was half of authentication's CPU (py-spy, bench.service submissions)."""
     prefix = tokens.split_prefix(presented)
     if prefix is None:
         return None
-    token = ApiToken.objects.select_related("tenant", "user").filter(prefix=prefix).first()
-    if token is None or not tokens.matches(presented, token.secret_hash) or not token.is_active:
+    found = _token_rows(prefix)
+    if found is None:
+        return None
+    token, membership = found
+    if not tokens.matches(presented, token.secret_hash) or not token.is_active:
         return None
     now = timezone.now()
     if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
         token.last_used_at = now
-    return token
+    return token, membership
+
+
+_MEMBERSHIP_COLUMNS = ("id", "role", "created_at")
+# Per database alias: the token lookup's SQL and its columns' converters, compiled once. Compiling
+# the ORM query (three joins) was most of authentication's CPU, on every request.
+_token_lookup_compiled: dict[str, tuple[str, list[tuple[int, list, Any]]]] = {}
+_PREFIX_SENTINEL = "\x00prefix\x00"
+
+
+def _token_lookup_queryset(prefix: str) -> QuerySet:
+    """The token of `prefix` (unique: no ORDER BY), its tenant and user, and the user's membership of
+    the token's own tenant (uniq_membership: at most one row), as one row of plain columns."""
+    from django.contrib.auth import get_user_model
+
+    columns = ([f.attname for f in ApiToken._meta.concrete_fields]
+               + [f"tenant__{f.attname}" for f in Tenant._meta.concrete_fields]
+               + [f"user__{f.attname}" for f in get_user_model()._meta.concrete_fields]
+               + [f"token_membership__{name}" for name in _MEMBERSHIP_COLUMNS])
+    return (ApiToken.objects
+            .annotate(token_membership=FilteredRelation(
+                "user__memberships", condition=Q(user__memberships__tenant=F("tenant"))))
+            .filter(prefix=prefix).values_list(*columns)[:1])
+
+
+def _token_rows(prefix: str) -> tuple[ApiToken, Membership | None] | None:
+    from django.contrib.auth import get_user_model
+    from django.db import connections, router
+
+    alias = router.db_for_read(ApiToken)
+    connection = connections[alias]
+    compiled = _token_lookup_compiled.get(alias)
+    if compiled is None:
+        compiler = _token_lookup_queryset(_PREFIX_SENTINEL).query.get_compiler(using=alias)
+        sql, params = compiler.as_sql()
+        assert list(params) == [_PREFIX_SENTINEL], params  # the prefix is the query's only parameter
+        converters = compiler.get_converters([expression for expression, _, _ in compiler.select])
+        compiled = _token_lookup_compiled[alias] = (sql, [(i, convs, expr) for i, (convs, expr) in converters.items()])
+    sql, converters = compiled
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [prefix])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    values = list(row)
+    for index, convs, expression in converters:
+        for converter in convs:
+            values[index] = converter(values[index], expression, connection)
+    User = get_user_model()
+    token_fields = [f.attname for f in ApiToken._meta.concrete_fields]
+    tenant_fields = [f.attname for f in Tenant._meta.concrete_fields]
+    user_fields = [f.attname for f in User._meta.concrete_fields]
+    at = len(token_fields)
+    token = ApiToken.from_db(alias, token_fields, values[:at])
+    tenant = Tenant.from_db(alias, tenant_fields, values[at:at + len(tenant_fields)])
+    at += len(tenant_fields)
+    user = User.from_db(alias, user_fields, values[at:at + len(user_fields)])
+    at += len(user_fields)
+    token.tenant, token.user = tenant, user
+    membership_pk, role, created_at = values[at:]
+    if membership_pk is None:
+        return token, None
+    membership = Membership.from_db(alias, ["id", "tenant_id", "user_id", "role", "created_at"],
+                                    [membership_pk, token.tenant_id, token.user_id, role, created_at])
+    membership.tenant, membership.user = tenant, user
+    return token, membership
 
 
 # ------------------------------------------------------------------------------------ team quotas
