@@ -5,13 +5,15 @@ import functools
 import hmac
 from typing import Any
 
-from django.db import connection, models, transaction
+from django.db import DEFAULT_DB_ALIAS, models, transaction
+from django.db.models import QuerySet
 
 from broker.agents.fencing import unconfirmed_copies
 from broker.agents.gang import gang_assignment, gang_parts_by_job
-from broker.inventory.models import CloudInstance, Node
+from broker.inventory.models import Node
 from broker.jobs.models import Allocation, AllocationSlice
 from broker.jobs.states import JobState
+from broker.rows import CompiledRead
 from broker.tenancy import tokens
 
 # What the agent should do for an active allocation, by the state of its job.
@@ -36,27 +38,30 @@ def node_for_token(presented: str) -> Node | None:
     if not prefix or not presented.startswith("wzn_"):
         return None
     digest = tokens.digest(presented)
-    for node in Node.objects.raw(_node_by_token_prefix_sql(), [prefix]):
+    for *values, instance_state in _NODES_OF_PREFIX.rows(prefix):
+        node = Node.from_db(DEFAULT_DB_ALIAS, _node_columns(), values)
         if hmac.compare_digest(node.token_hash, digest):
+            node.instance_state = instance_state  # what the authentication checks (given_up_reason)
             return node
     return None
 
 
 @functools.cache
-def _node_by_token_prefix_sql() -> str:
-    """Every agent call starts with this lookup, so it is one statement written once: the nodes of a
-    token prefix with their cloud instance's state (`instance_state`, None without one), which the
-    authentication checks. Compiling the same ORM query (a join, a filter, an exclusion) on each call
-    was a quarter of the broker's CPU per heartbeat (bench.service, py-spy). The JSON columns (labels,
-    runtimes, a spot notice) are left out: decoding them was a fifth of what remained, and the agent calls
-    that read one load it on first use."""
-    q = connection.ops.quote_name
-    node, instance = Node._meta, CloudInstance._meta
-    columns = ", ".join(f"n.{q(f.column)}" for f in node.concrete_fields if not isinstance(f, models.JSONField))
-    return (f"SELECT {columns}, i.{q(instance.get_field('state').column)} AS instance_state "
-            f"FROM {q(node.db_table)} n LEFT JOIN {q(instance.db_table)} i "
-            f"ON i.{q(instance.get_field('node').column)} = n.{q(node.pk.column)} "
-            f"WHERE n.{q(node.get_field('token_prefix').column)} = %s AND n.{q(node.get_field('token_hash').column)} <> ''")
+def _node_columns() -> tuple[str, ...]:
+    """A node's columns but the JSON ones (labels, runtimes, a spot notice): decoding them was a fifth of
+    the lookup, and the agent calls that read one load it on first use."""
+    return tuple(f.attname for f in Node._meta.concrete_fields if not isinstance(f, models.JSONField))
+
+
+def _nodes_of_token_prefix(prefix: str) -> QuerySet:
+    """The nodes of a token prefix, unordered, each with its cloud instance's state (None without one)."""
+    return (Node.objects.filter(token_prefix=prefix).exclude(token_hash="").order_by()
+            .values_list(*_node_columns(), "instance__state"))
+
+
+# Every agent call starts with this lookup: compiled once per database (broker/rows.py). Compiling it on
+# each call was a quarter of the broker's CPU per heartbeat (bench.service, py-spy).
+_NODES_OF_PREFIX = CompiledRead(_nodes_of_token_prefix)
 
 
 def node_assignments(*, node: Node) -> dict[str, Any]:

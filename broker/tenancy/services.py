@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
-from typing import Any, Sequence
+from typing import Sequence
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -13,6 +13,7 @@ from django.db import transaction
 from django.db.models import F, FilteredRelation, Q, QuerySet
 from django.utils import timezone
 
+from broker.rows import CompiledRead
 from broker.tenancy import tokens
 from broker.tenancy.selectors import owned_holdings
 from broker.tenancy.models import (CU_FLAVOR, ApiToken, FairShareUsage, Membership, Quota, Role, TeamQuota, Tenant,
@@ -120,10 +121,6 @@ def api_token_membership_authenticate(*, presented: str) -> tuple[ApiToken, Memb
 
 
 _MEMBERSHIP_COLUMNS = ("id", "role", "created_at")
-# Per database alias: the token lookup's SQL and its columns' converters, compiled once. Compiling
-# the ORM query (three joins) was most of authentication's CPU, on every request.
-_token_lookup_compiled: dict[str, tuple[str, list[tuple[int, list, Any]]]] = {}
-_PREFIX_SENTINEL = "\x00prefix\x00"
 
 
 def _token_lookup_queryset(prefix: str) -> QuerySet:
@@ -141,29 +138,20 @@ def _token_lookup_queryset(prefix: str) -> QuerySet:
             .filter(prefix=prefix).values_list(*columns)[:1])
 
 
+# Compiled once per database (broker/rows.py): compiling the query's three joins was most of
+# authentication's CPU, on every request.
+_TOKEN_LOOKUP = CompiledRead(_token_lookup_queryset)
+
+
 def _token_rows(prefix: str) -> tuple[ApiToken, Membership | None] | None:
     from django.contrib.auth import get_user_model
-    from django.db import connections, router
+    from django.db import router
 
     alias = router.db_for_read(ApiToken)
-    connection = connections[alias]
-    compiled = _token_lookup_compiled.get(alias)
-    if compiled is None:
-        compiler = _token_lookup_queryset(_PREFIX_SENTINEL).query.get_compiler(using=alias)
-        sql, params = compiler.as_sql()
-        assert list(params) == [_PREFIX_SENTINEL], params  # the prefix is the query's only parameter
-        converters = compiler.get_converters([expression for expression, _, _ in compiler.select])
-        compiled = _token_lookup_compiled[alias] = (sql, [(i, convs, expr) for i, (convs, expr) in converters.items()])
-    sql, converters = compiled
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [prefix])
-        row = cursor.fetchone()
-    if row is None:
+    found = _TOKEN_LOOKUP.rows(prefix, using=alias)
+    if not found:
         return None
-    values = list(row)
-    for index, convs, expression in converters:
-        for converter in convs:
-            values[index] = converter(values[index], expression, connection)
+    values = found[0]
     User = get_user_model()
     token_fields = [f.attname for f in ApiToken._meta.concrete_fields]
     tenant_fields = [f.attname for f in Tenant._meta.concrete_fields]
