@@ -1,5 +1,5 @@
-"""Writes for hot paths (the scheduling cycle's bulk inserts, every agent's heartbeat), without Django
-compiling a statement per call.
+"""Statements for hot paths (the scheduling cycle's bulk inserts, every agent's heartbeat, the token
+lookups every request starts with), without Django compiling a statement per call.
 
 `QuerySet.bulk_create` compiles a many-placeholder INSERT (every value prepared and placed by the SQL
 compiler) and, on PostgreSQL, psycopg then parses it client-side: for a cycle placing 5,000 jobs that was

@@ -416,10 +416,9 @@ def _acted_on_ids(plan: sm.Plan) -> set[int]:
 
 
 def _job_ids(plan: sm.Plan) -> set[int]:
+    """Every job a plan names: those it acts on, those it places, those it leaves pending."""
     ids = {p.job_id for p in plan.placements} | set(plan.pending)
-    ids |= {p.victim_job_id for p in plan.preemptions} | {p.for_job_id for p in plan.preemptions}
-    ids |= {m.job_id for m in plan.migrations} | {m.for_job_id for m in plan.migrations if m.for_job_id}
-    return {int(i) for i in ids if str(i).isdigit()}
+    return {int(i) for i in ids if str(i).isdigit()} | _acted_on_ids(plan)
 
 
 def _json_safe(value):

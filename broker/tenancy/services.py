@@ -1,6 +1,7 @@
 """Writes for tenants, memberships and API tokens."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
@@ -123,14 +124,22 @@ def api_token_membership_authenticate(*, presented: str) -> tuple[ApiToken, Memb
 _MEMBERSHIP_COLUMNS = ("id", "role", "created_at")
 
 
+@functools.cache
+def _token_lookup_fields() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The token's, its tenant's and its user's columns, in the lookup's order (read back by `_token_rows`)."""
+    from django.contrib.auth import get_user_model
+
+    token, tenant, user = (tuple(f.attname for f in model._meta.concrete_fields)
+                           for model in (ApiToken, Tenant, get_user_model()))
+    return token, tenant, user
+
+
 def _token_lookup_queryset(prefix: str) -> QuerySet:
     """The token of `prefix` (unique: no ORDER BY), its tenant and user, and the user's membership of
     the token's own tenant (uniq_membership: at most one row), as one row of plain columns."""
-    from django.contrib.auth import get_user_model
-
-    columns = ([f.attname for f in ApiToken._meta.concrete_fields]
-               + [f"tenant__{f.attname}" for f in Tenant._meta.concrete_fields]
-               + [f"user__{f.attname}" for f in get_user_model()._meta.concrete_fields]
+    token_fields, tenant_fields, user_fields = _token_lookup_fields()
+    columns = ([*token_fields] + [f"tenant__{name}" for name in tenant_fields]
+               + [f"user__{name}" for name in user_fields]
                + [f"token_membership__{name}" for name in _MEMBERSHIP_COLUMNS])
     return (ApiToken.objects
             .annotate(token_membership=FilteredRelation(
@@ -153,9 +162,7 @@ def _token_rows(prefix: str) -> tuple[ApiToken, Membership | None] | None:
         return None
     values = found[0]
     User = get_user_model()
-    token_fields = [f.attname for f in ApiToken._meta.concrete_fields]
-    tenant_fields = [f.attname for f in Tenant._meta.concrete_fields]
-    user_fields = [f.attname for f in User._meta.concrete_fields]
+    token_fields, tenant_fields, user_fields = _token_lookup_fields()
     at = len(token_fields)
     token = ApiToken.from_db(alias, token_fields, values[:at])
     tenant = Tenant.from_db(alias, tenant_fields, values[at:at + len(tenant_fields)])
