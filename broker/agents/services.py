@@ -494,7 +494,8 @@ def _apply_part_report(*, job: Job, allocation: Allocation, state: str, reason: 
     elif state == "running" and job.state in before_running:
         _advance(job, [JobState.STARTING, JobState.RUNNING], reason_code="AGENT_RUNNING",
                  message=f"Running on {node.name}." if not is_gang(job) else
-                 f"Running on all {job.node_count} nodes.")
+                 f"Running on all {job.node_count} nodes.",
+                 on_the_way=("AGENT_STARTED", f"{who} started the job's process."))
         job.refresh_from_db()
         if job.state == JobState.RUNNING:
             migration_job_running(job=job)
@@ -538,14 +539,17 @@ def _parts_not_started(job: Job) -> list[str]:
 
 
 def _advance(job: Job, steps: list[str], *, reason_code: str, message: str,
-             data: dict[str, Any] | None = None) -> None:
+             data: dict[str, Any] | None = None, on_the_way: tuple[str, str] | None = None) -> None:
     """Take `steps` in order; stop quietly at the first one the state machine or a race refuses
-    (a duplicate report, or someone else moved the job first)."""
-    for target in steps:
+    (a duplicate report, or someone else moved the job first). `on_the_way`: the reason code and
+    message of the steps before the last, where those are not what the last one says (a job passes
+    STARTING on its way to RUNNING: two "Running on" lines would read as two starts)."""
+    for number, target in enumerate(steps, start=1):
         if job.state == target:
             continue
+        code, text = on_the_way if on_the_way and number < len(steps) else (reason_code, message)
         try:
-            job = job_transition(job=job, to=target, reason_code=reason_code, message=message, data=data)
+            job = job_transition(job=job, to=target, reason_code=code, message=text, data=data)
         except (IllegalTransition, StaleState):
             return
 

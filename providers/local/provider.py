@@ -92,8 +92,11 @@ CommandFactory = Callable[[ProvisionRequest, str, LocalShape], Sequence[str]]
 # to run Python and find the agent, its own WHALEZEN_AGENT_* settings, nothing else. The broker's
 # environment holds its secrets (DJANGO_SECRET_KEY, DATABASE_URL, cloud credentials), and an
 # agent hands its environment on to the jobs it runs.
+# The container runtimes' own settings go too (paths and a socket address, no secrets): an agent
+# runs image jobs through podman or docker with the host's configuration.
 AGENT_ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
-                             "VIRTUAL_ENV", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
+                             "VIRTUAL_ENV", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
+                             "CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF", "DOCKER_HOST"})
 AGENT_ENV_PREFIXES = ("LC_", "WHALEZEN_AGENT_")
 
 

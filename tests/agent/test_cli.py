@@ -1,12 +1,14 @@
 """The command line as a real process: probe JSON, bad input, a running agent stopped by SIGTERM."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from agent import cli
@@ -24,6 +26,24 @@ def agent_process(*args: str, env: dict[str, str] | None = None) -> subprocess.P
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+@contextlib.contextmanager
+def running_agent(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """`agent_process`, killed on the way out if the test did not stop it (a failed assertion)."""
+    proc = agent_process(*args, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def sigterm(proc: subprocess.Popen[str]) -> str:
+    """Stop the agent as an operator would; its stderr once it has exited."""
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=30)[1]
 
 
 def wait_for(condition, what: str, limit_s: float = 30.0):
@@ -75,21 +95,15 @@ def test_agent_process_joins_runs_a_job_and_stops_cleanly_on_sigterm(broker, tmp
                                  "command": jobscripts.WRITE_ENV, "env": {}}]
     state_dir = tmp_path / "s"
     # The join token comes from the environment (not visible in `ps`).
-    proc = agent_process("--server", broker.url, "--fake-gpus", "2xL4", "--name", "edge-1",
-                         "--state-dir", str(state_dir), env={"WHALEZEN_JOIN_TOKEN": "join-secret"})
-    try:
+    with running_agent("--server", broker.url, "--fake-gpus", "2xL4", "--name", "edge-1",
+                       "--state-dir", str(state_dir), env={"WHALEZEN_JOIN_TOKEN": "join-secret"}) as proc:
         wait_for(lambda: len(broker.state.heartbeats) >= 2 and len(broker.statuses_for("a1")) >= 2,
                  "two heartbeats and the job's exit")
         assert broker.state.registrations[0]["name"] == "edge-1"
         assert [s["state"] for s in broker.statuses_for("a1")] == ["running", "exited"]
         env = json.loads((tmp_path / "s-jobs" / "a1" / "env.json").read_text())
         assert env["CUDA_VISIBLE_DEVICES"] == "1" and "WHALEZEN_JOIN_TOKEN" not in env
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        err = sigterm(proc)
     assert proc.returncode == 0
     assert "Traceback" not in err
     assert json.loads((state_dir / "identity.json").read_text())["node_id"] == "n1"

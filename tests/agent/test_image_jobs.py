@@ -18,7 +18,7 @@ from agent.jobs import Assignment, JobRunner, JobStartError
 from agent.runtimes import detect
 from agent.state import StateStore
 from tests.agent import jobscripts, runtime_standin
-from tests.agent.test_cli import agent_process, wait_for as wait_until
+from tests.agent.test_cli import agent_process, running_agent, sigterm, wait_for as wait_until
 from tests.agent.test_jobs import wait_for
 from tests.agent.test_loop import make_agent, pump, states
 
@@ -172,10 +172,9 @@ def test_a_restarted_agent_removes_the_container_its_predecessor_left(open_dir, 
 def test_a_real_agent_process_detects_the_runtime_and_runs_an_image_job(broker, open_dir, standin):
     broker.state.heartbeat_seconds = 1
     broker.state.assignments = [image_start(gpu_indices=[1])]
-    proc = agent_process("--server", broker.url, "--fake-gpus", "2xL4", "--name", "edge-1", "--state-dir",
-                         str(open_dir / "s"), env={"WHALEZEN_JOIN_TOKEN": "join-secret",
-                                                   "PATH": f"{standin.bin_dir}:{os.environ['PATH']}"})
-    try:
+    with running_agent("--server", broker.url, "--fake-gpus", "2xL4", "--name", "edge-1", "--state-dir",
+                       str(open_dir / "s"), env={"WHALEZEN_JOIN_TOKEN": "join-secret",
+                                                 "PATH": f"{standin.bin_dir}:{os.environ['PATH']}"}) as proc:
         wait_until(lambda: len(broker.statuses_for("a1")) >= 2, "the image job's exit")
         assert broker.state.registrations[0]["container_runtimes"] == ["podman", "docker", "apptainer"]
         assert [s["state"] for s in broker.statuses_for("a1")] == ["running", "exited"]
@@ -184,12 +183,7 @@ def test_a_real_agent_process_detects_the_runtime_and_runs_an_image_job(broker, 
         argv = run["argv"]
         gpu_flags = [argv[i + 1] for i, w in enumerate(argv[:-1]) if w in ("--gpus", "--device")]
         assert gpu_flags in (['"device=1"'], ["nvidia.com/gpu=1"])  # --gpus, or CDI where the node has a spec
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        err = sigterm(proc)
     assert proc.returncode == 0 and "Traceback" not in err
 
 

@@ -24,6 +24,7 @@ from tests.agent import jobscripts
 
 
 def make_agent(open_dir, broker, clock, *, spec: str = "4xA100-80GB-SXM", **config) -> Agent:
+    base_env = {"PATH": os.environ["PATH"], **config.pop("extra_env", {})}  # the agent's own environment
     cfg = AgentConfig(
         server_url=broker.url,
         join_token=config.pop("join_token", "join-secret"),
@@ -34,7 +35,7 @@ def make_agent(open_dir, broker, clock, *, spec: str = "4xA100-80GB-SXM", **conf
         **config,
     )
     backend = FakeBackend(spec, clock=clock, hostname="node-a")
-    return Agent(cfg, backend, clock=clock, rng=random.Random(7), base_env={"PATH": os.environ["PATH"]})
+    return Agent(cfg, backend, clock=clock, rng=random.Random(7), base_env=base_env)
 
 
 def pump(agent: Agent, clock, until, *, advance: float = 1.0, what: str = "condition", limit_s: float = 20.0):

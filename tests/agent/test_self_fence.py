@@ -17,7 +17,7 @@ from agent import cli
 from agent.loop import AgentConfig
 from agent.procs import process_start_ticks
 from tests.agent import jobscripts
-from tests.agent.test_cli import agent_process, wait_for
+from tests.agent.test_cli import running_agent, sigterm, wait_for
 from tests.agent.test_loop import make_agent, pump, start_assignment, states
 
 FENCE_AFTER_S = 120.0
@@ -165,10 +165,9 @@ def test_a_bad_fence_after_is_a_usage_error(value, capsys):
 def test_a_real_agent_process_fences_with_the_setting_from_its_environment(broker, open_dir):
     broker.state.heartbeat_seconds = 1
     broker.state.assignments = [start_assignment(command=jobscripts.SLEEPER, gpu_indices=[0])]
-    proc = agent_process("--server", broker.url, "--fake-gpus", "1xL4", "--name", "edge-f",
-                         "--state-dir", str(open_dir / "state"), "--stop-grace-seconds", "1",
-                         env={"WHALEZEN_JOIN_TOKEN": "join-secret", "WHALEZEN_AGENT_FENCE_AFTER_SECONDS": "3"})
-    try:
+    with running_agent("--server", broker.url, "--fake-gpus", "1xL4", "--name", "edge-f",
+                       "--state-dir", str(open_dir / "state"), "--stop-grace-seconds", "1",
+                       env={"WHALEZEN_JOIN_TOKEN": "join-secret", "WHALEZEN_AGENT_FENCE_AFTER_SECONDS": "3"}) as proc:
         wait_for(lambda: (open_dir / "state-jobs" / "a1" / "ready").exists(), "the job to run")
         (pid,) = [s["pid"] for s in broker.statuses_for("a1") if s["state"] == "running"]
         broker.stop()
@@ -177,11 +176,6 @@ def test_a_real_agent_process_fences_with_the_setting_from_its_environment(broke
         broker.start()
         wait_for(lambda: len(broker.statuses_for("a1")) >= 2, "the fenced report", limit_s=30)
         assert broker.statuses_for("a1")[-1]["reason"] == "fenced"
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        err = sigterm(proc)
     assert proc.returncode == 0
     assert "stopping 1 job(s): a1" in err and "Traceback" not in err

@@ -291,6 +291,16 @@ def test_running_then_exited_moves_the_job_to_succeeded_and_frees_its_gpus(acme,
     assert agent_client(token).get(f"{API}/assignments").json()["assignments"] == []
 
 
+def test_a_start_reads_as_one_start_in_the_jobs_timeline(acme, registered):
+    node, token = registered
+    job, allocation = place(acme, node)
+    assert report(token, allocation, "running", reason="started", pid=123).status_code == 200
+    timeline = [(e.data.get("to"), e.reason_code, e.message)
+                for e in JobEvent.objects.filter(job=job, kind="state").order_by("id")][-2:]
+    assert timeline == [(JobState.STARTING, "AGENT_STARTED", f"{node.name} started the job's process."),
+                        (JobState.RUNNING, "AGENT_RUNNING", f"Running on {node.name}.")]
+
+
 def test_repeated_reports_change_nothing_more(acme, registered):
     node, token = registered
     job, allocation = place(acme, node)

@@ -7,6 +7,8 @@ finding its peer over TCP on loopback through MASTER_ADDR/MASTER_PORT/WHALEZEN_N
    (which would wait for rank 1 until its 600 s timeout) is stopped by its agent.
 One agent advertises its address, the other is known by the address its registration came from;
 both are 127.0.0.1 here.
+3. A Kubernetes Pod manifest with an image runs in a real podman container on one of those nodes
+   (tests/podman.py: a busybox image built here; the agents get its CONTAINERS_CONF).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.podman import find_podman, podman_or_skip
 
 from .service import ROOT, Service, backends, call, commands_with, free_port, kill_leftovers, shared_tmp_dir, wait_for
 from .test_serve import wait_state
@@ -31,7 +35,9 @@ RENDEZVOUS = ROOT / "examples" / "gang_rendezvous.py"
 def served():
     """`make run`, and two agents with one fake L4 each in a pool `gangs` labelled fabric=infiniband."""
     var_dir = shared_tmp_dir() / "var"
-    with backends(var_dir) as env:
+    podman, _ = find_podman()
+    podman_env = podman.env if podman else {}  # no podman here: the image test skips, the others run
+    with backends(var_dir, **podman_env) as env:
         service = Service(var_dir, free_port(), env)
         agents: list[subprocess.Popen] = []
         try:
@@ -43,7 +49,7 @@ def served():
             token_file.write_text(join)
             for i, name in enumerate(NODES):
                 agents.append(gang_agent(var_dir, name, service.base, token_file,
-                                         ["--advertise-address", "127.0.0.1"] if i == 0 else []))
+                                         ["--advertise-address", "127.0.0.1"] if i == 0 else [], podman_env))
             token = service.token("acme")
             wait_for(lambda: {n["name"] for n in call(f"{service.base}/api/v1/nodes/?page_size=200", token)["results"]
                               if n["state"] == "ONLINE"} >= set(NODES), 60, "the gang nodes to register")
@@ -61,11 +67,13 @@ def served():
             kill_leftovers(var_dir, "gang_rendezvous.py")
 
 
-def gang_agent(var_dir: Path, name: str, server: str, token_file: Path, extra: list[str]) -> subprocess.Popen:
+def gang_agent(var_dir: Path, name: str, server: str, token_file: Path, extra: list[str],
+               extra_env: dict[str, str]) -> subprocess.Popen:
     state = var_dir / "gang-agents" / name
     state.parent.mkdir(parents=True, exist_ok=True)
     log = (var_dir / f"{name}.log").open("wb")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "REDIS_URL", "DJANGO"))}
+    env.update(extra_env)
     return subprocess.Popen(
         [sys.executable, "-m", "agent", "--server", server, "--join-token-file", str(token_file), "--name", name,
          "--fake-gpus", "1xL4", "--label", "fabric=infiniband", "--state-dir", str(state),
@@ -159,3 +167,23 @@ def test_a_skypilot_task_with_a_local_workdir_submitted_by_the_cli_runs_in_it_on
     text = "\n".join(logs.values())
     assert "rank 0 in " in text and "rank 1 in " in text and "sky_workdir: from the workdir" in text, logs
     assert finished["spec"]["files"][0]["source"].startswith("upload:")
+
+
+def test_a_kubernetes_pod_with_an_image_runs_in_a_real_container(served):
+    podman = podman_or_skip()
+    service, var_dir = served
+    token = service.token("acme")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "in-a-container"},
+           "spec": {"restartPolicy": "Never", "nodeSelector": {"fabric": "infiniband"},
+                    "containers": [{"name": "main", "image": podman.image, "command": ["/bin/sh", "-c"],
+                                    "args": ["echo GPUs $CUDA_VISIBLE_DEVICES uid $(id -u) on $(ls / | tr '\\n' ' ')"],
+                                    "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}
+    job = call(f"{service.base}/api/v1/jobs/", token, pod)
+    assert job["spec"]["image"] == podman.image
+    done = wait_state(service, token, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout=90)
+    logs = part_logs(service, token, var_dir, job["id"])
+    assert done["state"] == "SUCCEEDED", (done, logs)
+    ((node, text),) = logs.items()
+    assert node in NODES and "GPUs 0 uid " in text, logs
+    root = text.split(" on ", 1)[1].split()
+    assert "bin" in root and "usr" not in root, logs  # the image's filesystem, not the host's

@@ -74,6 +74,7 @@ def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path, monke
     monkeypatch.setenv("DJANGO_SECRET_KEY", "broker-secret")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "cloud-secret")
     monkeypatch.setenv("WHALEZEN_AGENT_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("CONTAINERS_CONF", "/etc/whalezen/containers.conf")  # how this host's podman runs images
     provider = make_local()
     request = local_request()
     info = provider.provision(request)
@@ -88,7 +89,7 @@ def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path, monke
     # On stdin: neither `ps` (argv) nor /proc/<pid>/environ, which a job could read, holds it.
     assert started["stdin"] == "join-secret-123\n"
     assert started["env_token"] is None
-    assert "PATH" in started["env"] and "WHALEZEN_AGENT_LOG_LEVEL" in started["env"]
+    assert {"PATH", "WHALEZEN_AGENT_LOG_LEVEL", "CONTAINERS_CONF"} <= set(started["env"])
     assert not {"DJANGO_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"} & set(started["env"])
     assert is_alive(*pid_of(provider, info.ref.instance_id))
 
