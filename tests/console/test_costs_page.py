@@ -39,6 +39,7 @@ def test_the_page_shows_cost_reports_totals_and_breakdowns(acme, week, as_admin)
     assert resp.status_code == 200
     text = text_of(resp)
     assert "$128.54" in text  # the week's total, idle included (test_the_metered_week_to_the_cent)
+    assert "Spend 2026-11-01 – 2026-11-30" in text  # `to` is exclusive: the heading names the last day counted
     for key in ("gpu_model", "pool", "provider"):
         for row in _report(acme, [key]):
             assert str(row[key]) in text and row["cost"] in text

@@ -10,7 +10,7 @@ is the team chosen in the console (the API's session login always reads the user
 """
 from __future__ import annotations
 
-from datetime import date
+from datetime import date, timedelta
 
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -85,7 +85,8 @@ def costs(request: HttpRequest) -> HttpResponse:
         breakdowns.append({"key": key, "label": label, "source": f"cost-by-{key}", "chart": _series(rows, key),
                            "rows": [{**r, "name": r[key]} for r in rows]})
     total = report(["team"])  # one row (or none): the window's totals (the team is the one key all rows share)
-    context.update(start=start, end=end, group_by=group_by, rows=table, breakdowns=breakdowns,
+    # `end` is exclusive (the API's `to`); the heading names the last day counted.
+    context.update(start=start, end=end, last_day=end - timedelta(days=1), group_by=group_by, rows=table, breakdowns=breakdowns,
                    total=total[0] if total else None, daily=_daily(report(["day", "gpu_model"])),
                    csv_query=request.GET.urlencode())
     return render(request, "console/costs.html", context)
