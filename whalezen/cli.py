@@ -652,10 +652,10 @@ def cmd_costs(ctx: Context) -> int:
     args, out = ctx.args, ctx.out
     group_by = _group_keys(args)
     if args.csv:
-        text = ctx.client.costs_csv(group_by=group_by or None, from_=args.from_, to=args.to)
+        text = ctx.client.costs_csv(group_by=group_by or None, from_=args.from_, to=args.to, team=args.team)
         out.stdout.write(text if text.endswith("\n") or not text else text + "\n")
         return EXIT_OK
-    report = ctx.client.costs(group_by=group_by or None, from_=args.from_, to=args.to)
+    report = ctx.client.costs(group_by=group_by or None, from_=args.from_, to=args.to, team=args.team)
     if out.json_mode:
         out.json(report)
         return EXIT_OK
@@ -698,7 +698,7 @@ def cmd_savings(ctx: Context) -> int:
 def cmd_statements(ctx: Context) -> int:
     args, out = ctx.args, ctx.out
     if args.month:
-        statement = ctx.client.statement(args.month, csv=args.csv)
+        statement = ctx.client.statement(args.month, csv=args.csv, team=args.team)
         if isinstance(statement, str):
             out.stdout.write(statement if statement.endswith("\n") else statement + "\n")
         elif out.json_mode:
@@ -714,7 +714,7 @@ def cmd_statements(ctx: Context) -> int:
             if isinstance(totals, dict):
                 out.line("totals: " + ", ".join(f"{k} {cell(v)}" for k, v in totals.items()))
         return EXIT_OK
-    statements = ctx.client.statements()
+    statements = ctx.client.statements(team=args.team)
     if out.json_mode:
         out.json(statements)
     elif statements:
@@ -932,6 +932,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_", metavar="DATE", help="start (ISO date or time)")
     p.add_argument("--to", metavar="DATE", help="end (ISO date or time)")
     p.add_argument("--csv", action="store_true", help="the server's CSV")
+    p.add_argument("--team", metavar="SLUG", help="platform admins: another team, or `all`")
 
     p = add("savings", cmd_savings, "what the team's jobs cost against the cheapest on-demand cloud offer")
     p.add_argument("--from", dest="from_", metavar="DATE", help="start (ISO date)")
@@ -940,6 +941,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("statements", cmd_statements, "monthly statements (one month with MONTH)")
     p.add_argument("month", nargs="?", help="YYYY-MM")
     p.add_argument("--csv", action="store_true")
+    p.add_argument("--team", metavar="SLUG", help="platform admins: another team's statements")
 
     p = add("budget", cmd_budget, "this month's budget and spend; --set USD changes it (team admins)")
     p.add_argument("--set", metavar="USD", help="the new monthly budget (`none`: no budget)")

@@ -226,17 +226,18 @@ class Client:
 
     # -- money (issue 13: a server without billing answers NotSupported) --------------------------
     def costs(self, *, group_by: str | Sequence[str] | None = None, from_: str | None = None,
-              to: str | None = None) -> CostReport:
+              to: str | None = None, team: str | None = None) -> CostReport:
         """`GET /api/v1/costs/`: rows per group (`team`, `user`, `job`, `gpu_model`, `provider`, `pool`,
-        `region`, `day`, or several) with `gpu_hours`, `cost`, `idle_cost`, `avg_gpu_utilisation`."""
-        body = self._feature("costs", "GET", "/costs/", params=_cost_params(group_by, from_, to))
+        `region`, `day`, or several) with `gpu_hours`, `cost`, `idle_cost`, `avg_gpu_utilisation`.
+        `team` (platform admins): another team's slug, or `all`."""
+        body = self._feature("costs", "GET", "/costs/", params=_cost_params(group_by, from_, to, team))
         if isinstance(body, list):
             return {"rows": body}
         return cast(CostReport, body)
 
     def costs_csv(self, *, group_by: str | Sequence[str] | None = None, from_: str | None = None,
-                  to: str | None = None) -> str:
-        params = _cost_params(group_by, from_, to) | {"format": "csv"}
+                  to: str | None = None, team: str | None = None) -> str:
+        params = _cost_params(group_by, from_, to, team) | {"format": "csv"}
         return str(self._feature("costs", "GET", "/costs/", params=params, accept="text/csv"))
 
     def quote(self, spec: Mapping[str, Any]) -> Quote:
@@ -256,15 +257,16 @@ class Client:
         value = None if monthly_budget_usd is None else str(monthly_budget_usd)
         return cast(Budget, self._feature("budget", "PATCH", "/budget/", body={"monthly_budget_usd": value}))
 
-    def statements(self) -> list[Statement]:
-        body = self._feature("statements", "GET", "/statements/")
+    def statements(self, *, team: str | None = None) -> list[Statement]:
+        """The team's monthly statements (team admins; a platform admin may name another `team`)."""
+        body = self._feature("statements", "GET", "/statements/", params={"team": team} if team else None)
         if isinstance(body, dict) and "results" in body:
             return list(body["results"])
         return list(body) if isinstance(body, list) else [body]
 
-    def statement(self, month: str, *, csv: bool = False) -> Statement | str:
-        """One month's statement (`YYYY-MM`), or its CSV text."""
-        params = {"format": "csv"} if csv else None
+    def statement(self, month: str, *, csv: bool = False, team: str | None = None) -> Statement | str:
+        """One month's statement (`YYYY-MM`), or its CSV text (`team`: as for `statements`)."""
+        params = ({"format": "csv"} if csv else {}) | ({"team": team} if team else {}) or None
         return self._feature("statements", "GET", f"/statements/{_month(month)}/", params=params,
                              accept="text/csv" if csv else "application/json", item_of="/statements/")
 
@@ -444,7 +446,8 @@ def _month(value: str) -> str:
     return text
 
 
-def _cost_params(group_by: str | Sequence[str] | None, from_: str | None, to: str | None) -> dict[str, Any]:
+def _cost_params(group_by: str | Sequence[str] | None, from_: str | None, to: str | None,
+                 team: str | None = None) -> dict[str, Any]:
     if isinstance(group_by, (list, tuple)):
         group_by = ",".join(group_by)
-    return {"group_by": group_by, "from": from_, "to": to}
+    return {"group_by": group_by, "from": from_, "to": to, "team": team}

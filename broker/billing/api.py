@@ -1,8 +1,9 @@
 """/api/v1/costs/, /statements/, /statements/{YYYY-MM}/, /budget/, /quotes/: the team's money.
 
 Everything reads the caller's tenant only (there is no tenant in any URL: another team's figures are
-simply absent). Team admins see the whole team; members and viewers see the costs of their own jobs
-(no idle lines, which are the team's) and no statements. Bad parameters answer 400 with the field and
+simply absent), except for platform admins, who may name a team or all of them with `?team=`
+(broker/billing/scope.py). Team admins see the whole team; members and viewers see the costs of their
+own jobs (no idle lines, which are the team's) and no statements. Bad parameters answer 400 with the field and
 the reason, `?format=csv` or `Accept: text/csv` gives CSV, a statement also renders as printable HTML
 (`?format=html`).
 """
@@ -31,7 +32,9 @@ from broker.billing.metering import month_of
 from broker.billing.models import BudgetAlert
 from broker.billing.selectors import GROUP_FIELDS, cost_report, month_to_date_spend
 from broker.billing.services import BillingError, budget_set
+from broker.billing.scope import ALL_TEAMS, billing_teams, reads_whole_team
 from broker.billing.statements import budget_status, statement_get, statements_list
+from broker.tenancy.models import Tenant
 from broker.tenancy.permissions import IsTenantAdmin, IsTenantMember, tenant_context
 
 MAX_RANGE_DAYS = 400
@@ -176,10 +179,14 @@ class QuoteOutSerializer(serializers.Serializer):
     quoted_at = serializers.CharField()
 
 
+TEAM_PARAMETER = OpenApiParameter(
+    "team", OpenApiTypes.STR, description="Platform admins only: a team's slug, or 'all' (costs: every team). "
+    "Others may leave it out or name their own team.")
 COST_PARAMETERS = [
     OpenApiParameter("from", OpenApiTypes.DATE, description="First day, YYYY-MM-DD (default: this month's 1st)"),
     OpenApiParameter("to", OpenApiTypes.DATE, description="Day after the last, exclusive (default: tomorrow)"),
     OpenApiParameter("group_by", OpenApiTypes.STR, description="Comma-separated: " + ", ".join(GROUP_FIELDS)),
+    TEAM_PARAMETER,
 ]
 
 
@@ -208,7 +215,27 @@ class BillingView(APIView):
 
     def user_filter(self) -> str | None:
         """None for an admin (the whole team), else the caller's own username."""
-        return None if self.ctx.is_admin else self.request.user.get_username()
+        return None if reads_whole_team(ctx=self.ctx, user=self.request.user) else self.request.user.get_username()
+
+    def teams(self) -> list[Tenant]:
+        """The caller's team, or what a platform admin names with `?team=` (broker/billing/scope.py)."""
+        return billing_teams(team=self.request.query_params.get("team"), ctx=self.ctx, user=self.request.user)
+
+    def one_team(self) -> Tenant:
+        teams = self.teams()
+        if len(teams) != 1 or self.request.query_params.get("team") == ALL_TEAMS:
+            raise exceptions.ValidationError({"team": ["A statement is one team's: name it with team=<slug>."]})
+        return teams[0]
+
+
+class IsBillingAdmin(IsTenantMember):
+    """A team admin of the caller's team, or a platform admin (statements, every job's costs)."""
+
+    message = "Only a team admin (or a platform admin) may read statements."
+
+    def has_permission(self, request: Request, view) -> bool:
+        return super().has_permission(request, view) and reads_whole_team(ctx=tenant_context(request),
+                                                                            user=request.user)
 
 
 def _day(params, name: str, default: date) -> date:
@@ -256,9 +283,14 @@ class CostsView(BillingView):
                    responses={200: CostReportSerializer, 400: FIELD_ERRORS})
     def get(self, request: Request) -> Response:
         start, end, group_by = parse_cost_params(request.query_params)
-        rows = cost_report(tenant=self.ctx.tenant, start=start, end=end, group_by=group_by,
-                           user=self.user_filter())
-        scope = "team" if self.ctx.is_admin else f"user {request.user.get_username()}"
+        teams, user = self.teams(), self.user_filter()
+        rows = cost_report(tenants=teams, start=start, end=end, group_by=group_by, user=user)
+        if request.query_params.get("team") == ALL_TEAMS:
+            scope = "platform"
+        elif teams != [self.ctx.tenant]:
+            scope = f"team {teams[0].slug}"
+        else:
+            scope = "team" if user is None else f"user {user}"
         return Response({"from": start.isoformat(), "to": end.isoformat(), "group_by": group_by, "scope": scope,
                          "currency": "USD", "rows": rows})
 
@@ -291,20 +323,21 @@ class SavingsView(BillingView):
 
 
 class StatementListView(BillingView):
-    permission_classes = [IsTenantAdmin]
+    permission_classes = [IsBillingAdmin]
 
-    @extend_schema(operation_id="statements_list", responses={200: StatementListSerializer, 400: FIELD_ERRORS})
+    @extend_schema(operation_id="statements_list", parameters=[TEAM_PARAMETER],
+                   responses={200: StatementListSerializer, 400: FIELD_ERRORS})
     def get(self, request: Request) -> Response:
-        return Response({"results": statements_list(tenant=self.ctx.tenant)})
+        return Response({"results": statements_list(tenant=self.one_team())})
 
 
 class StatementDetailView(BillingView):
-    permission_classes = [IsTenantAdmin]
+    permission_classes = [IsBillingAdmin]
     renderer_classes = [JSONRenderer, CSVRenderer, StatementHTMLRenderer]
 
     @extend_schema(operation_id="statements_month",
                    parameters=[OpenApiParameter("id", OpenApiTypes.STR, OpenApiParameter.PATH,
-                                                description="The month, YYYY-MM (UTC)")],
+                                                description="The month, YYYY-MM (UTC)"), TEAM_PARAMETER],
                    responses={200: StatementSerializer, 400: FIELD_ERRORS})
     def get(self, request: Request, id: str) -> Response:  # noqa: A002 (the API's path parameter name)
         month = id
@@ -312,7 +345,7 @@ class StatementDetailView(BillingView):
             raise exceptions.ValidationError({"non_field_errors": [
                 f"The path's month {month[:16]!r} is not a month: use YYYY-MM."]})
         try:
-            statement = statement_get(tenant=self.ctx.tenant, month=month)
+            statement = statement_get(tenant=self.one_team(), month=month)
         except BillingError as exc:
             raise exceptions.ValidationError({"non_field_errors": [f"The path's month: {exc}"]}) from None
         if not statement["lines"] and statement["status"] == "open" and month != month_of(timezone.now().date()):

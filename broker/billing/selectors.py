@@ -13,7 +13,7 @@ import contextlib
 from collections import defaultdict
 from datetime import date, datetime
 from decimal import Decimal
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from django.db import connection, transaction
 from django.db.models import DecimalField, F, FloatField, Q, Sum
@@ -64,8 +64,11 @@ def live_lines(*, tenant: Tenant, start: date, end: date, now: datetime, user: s
     return [ln for ln in lines if ln.key not in stored]
 
 
-def _stored(*, tenant: Tenant, start: date, end: date, user: str | None, job_id: int | None = None):
-    qs = UsageRecord.objects.filter(tenant=tenant, day__gte=start, day__lt=end)
+def _stored(*, tenant: Tenant | None = None, start: date, end: date, user: str | None, job_id: int | None = None,
+            tenants: Sequence[Tenant] | None = None):
+    """Stored records of days [start, end) of `tenant` (or of each of `tenants`)."""
+    qs = UsageRecord.objects.filter(day__gte=start, day__lt=end)
+    qs = qs.filter(tenant__in=list(tenants)) if tenants is not None else qs.filter(tenant=tenant)
     if user is not None:
         qs = qs.filter(user=user)
     if job_id is not None:
@@ -77,11 +80,14 @@ def _row_key(values: dict, group_by: list[str], tenant_slug: str) -> tuple:
     return tuple(values[g] for g in group_by)
 
 
-def cost_report(*, tenant: Tenant, start: date, end: date, group_by: list[str], user: str | None = None,
-                now: datetime | None = None, job_id: int | None = None) -> list[dict]:
+def cost_report(*, tenant: Tenant | None = None, start: date, end: date, group_by: list[str],
+                user: str | None = None, now: datetime | None = None, job_id: int | None = None,
+                tenants: Sequence[Tenant] | None = None) -> list[dict]:
     """Rows of {keys..., gpu_hours, cost, idle_gpu_hours, idle_cost, avg_gpu_utilisation} for days
-    [start, end). `cost` includes idle cost; `gpu_hours` are GPU-hours held by jobs; the utilisation is
-    the GPU-hour-weighted mean of the lines that have readings (null when none has)."""
+    [start, end), of `tenant`, or of `tenants` together (a platform admin's report: rows that group by
+    no team add the teams up). `cost` includes idle cost; `gpu_hours` are GPU-hours held by jobs; the
+    utilisation is the GPU-hour-weighted mean of the lines that have readings (null when none has)."""
+    teams = list(tenants) if tenants is not None else [tenant]
     now = now or timezone.now()
     fields = [GROUP_FIELDS[g] for g in group_by]
     usage = Q(kind=UsageKind.USAGE)
@@ -90,7 +96,7 @@ def cost_report(*, tenant: Tenant, start: date, end: date, group_by: list[str], 
     money = DecimalField(max_digits=18, decimal_places=2)
     rows: dict[tuple, dict] = {}
     with consistent_read():
-        stored = (_stored(tenant=tenant, start=start, end=end, user=user, job_id=job_id).values(*fields)
+        stored = (_stored(tenants=teams, start=start, end=end, user=user, job_id=job_id).values(*fields)
                   .annotate(gs=Sum("gpu_seconds", filter=usage), cost=Sum("amount_usd", output_field=money),
                             idle_gs=Sum("gpu_seconds", filter=idle),
                             idle_cost=Sum("amount_usd", filter=idle, output_field=money),
@@ -103,9 +109,10 @@ def cost_report(*, tenant: Tenant, start: date, end: date, group_by: list[str], 
             rows[key] = {"gs": values["gs"] or Decimal(0), "cost": values["cost"] or ZERO,
                          "idle_gs": values["idle_gs"] or Decimal(0), "idle_cost": values["idle_cost"] or ZERO,
                          "util_w": values["util_w"] or 0.0, "util_gs": float(values["util_gs"] or 0)}
-        live = live_lines(tenant=tenant, start=start, end=end, now=now, user=user, job_id=job_id)
-    for ln in live:
-        attrs = {"tenant__slug": tenant.slug, **{f: getattr(ln, f) for f in fields if f != "tenant__slug"}}
+        live = [(team.slug, ln) for team in teams
+                for ln in live_lines(tenant=team, start=start, end=end, now=now, user=user, job_id=job_id)]
+    for slug, ln in live:
+        attrs = {"tenant__slug": slug, **{f: getattr(ln, f) for f in fields if f != "tenant__slug"}}
         key = tuple(attrs[f] for f in fields)
         row = rows.setdefault(key, {"gs": Decimal(0), "cost": ZERO, "idle_gs": Decimal(0), "idle_cost": ZERO,
                                     "util_w": 0.0, "util_gs": 0.0})

@@ -325,6 +325,18 @@ def test_billing_commands_work_or_say_this_server_has_none(wz, spec_file):
         assert budget.code == cli.EXIT_API and "this server has no budget API" in budget.err
 
 
+def test_a_platform_admin_reads_every_teams_costs_and_a_team_admin_cannot(live_server, acme, globex, home, wz):
+    acme.admin.is_superuser = True  # acme's admin runs the platform too
+    acme.admin.save(update_fields=["is_superuser"])
+    platform = wz("costs", "--team", "all", "--group-by", "team", "--json")
+    assert platform.code == cli.EXIT_OK and platform.json["scope"] == "platform", platform.err
+    assert wz("statements", "--team", "globex", "--json").code == cli.EXIT_OK
+    refused = Wz(home, live_server.url, globex.token_secret)("costs", "--team", "acme")
+    assert refused.code != cli.EXIT_OK and "Only platform admins" in one_line(refused.err)
+    unknown = wz("costs", "--team", "no-such-team")
+    assert unknown.code == cli.EXIT_USAGE and "team" in one_line(unknown.err), unknown.err
+
+
 # -- waiting ---------------------------------------------------------------------------------------
 def _new_job(tenant, name: str) -> Job:
     return wait_until(lambda: Job.objects.filter(tenant=tenant, name=name).first(), f"job {name} to be submitted")
