@@ -67,8 +67,11 @@ class Job(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        # The jobs list is a team's jobs newest first by id, optionally of one state (broker/api/jobs.py):
+        # with the id in the index, a page (deep ones too: OFFSET) is read from the index alone.
         indexes = [
-            models.Index(fields=["tenant", "state"]),
+            models.Index(fields=["tenant", "state", "id"], name="job_tenant_state_id"),
+            models.Index(fields=["tenant", "id"], name="job_tenant_id"),
             models.Index(fields=["state", "priority"]),
         ]
         ordering = ["-created_at", "-id"]
