@@ -51,3 +51,20 @@ def test_a_token_whose_user_left_its_team_is_refused(acme, globex):
     Membership.objects.filter(tenant=acme.tenant, user=acme.member).delete()
     assert acme.member_client.get("/api/v1/jobs/").status_code == 401
     assert acme.client.get("/api/v1/jobs/").status_code == 200
+
+
+def test_the_submission_answer_is_what_reading_the_job_says(acme):
+    """The 201 is built from the row job_submit wrote, not read back: it must say what a GET says."""
+    spec = {"name": "answer", "command": ["python", "t.py"], "priority": 70,
+            "resources": {"gpus": 2, "gpu_models": ["A100-80GB"]}}
+    with CaptureQueriesContext(connection) as submitted:
+        created = acme.client.post("/api/v1/jobs/", spec, format="json")
+    assert created.status_code == 201, created.content[:300]
+    body = created.json()
+    read = acme.client.get(f"/api/v1/jobs/{body['id']}/").json()
+    assert {k: v for k, v in body.items() if k not in ("format", "warnings")} == read
+    assert body["owner"] == "acme-admin" and body["allocations"] == [] and body["state"] == "PENDING"
+    job_reads = [q["sql"] for q in submitted.captured_queries
+                 if q["sql"].lstrip().upper().startswith("SELECT") and 'FROM "jobs_job"' in q["sql"]
+                 and "COUNT(" not in q["sql"].upper()]
+    assert job_reads == []  # nothing read back
