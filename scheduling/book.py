@@ -66,6 +66,11 @@ class Book:
         self.group_left: dict[str, int] = problem.snapshot.launch_limit_of()
         self.allowances: dict[str, Allowance] = {
             name: allowance_for(budget) for name, budget in problem.ctx.tenants.items()}
+        # Members' own budgets (money only), charged beside their team's: one cycle cannot place two of
+        # a member's jobs past what the member has left.
+        self.owner_allowances: dict[tuple[str, str], Allowance] = {
+            (name, owner.owner): Allowance(None, None, owner.remaining_budget)
+            for name, budget in problem.ctx.tenants.items() for owner in budget.owners}
         # Teams' use of owned capacity against their quotas, charged by every placement here.
         self.quota: QuotaLedger | None = problem.ctx.quota.copy() if problem.ctx.quota is not None else None
         self.placements: dict[str, Placement] = {}
@@ -166,6 +171,9 @@ class Book:
         if allowance is not None:
             allowance.charge(-pricing.gpu_share(job, target.gpu_model), -pricing.compute_units(job, target.gpu_model),
                              -pricing.money(job, target))
+        owner = self.owner_allowance(job)
+        if owner is not None:
+            owner.charge(0.0, 0.0, -pricing.money(job, target))
         if self.quota is not None and owned(target):
             self.quota.charge(job, target.gpu_model, pricing.gpu_share(job, target.gpu_model), -1.0)
         slots = []
@@ -237,11 +245,18 @@ class Book:
             if not self.quota.admits(job, target.gpu_model, pricing.gpu_share(job, target.gpu_model),
                                      nominal_only=ctx.nominal_only, borrowing=ctx.borrowing):
                 return False
+        owner = self.owner_allowance(job)
+        if owner is not None and not owner.admits(0.0, 0.0, pricing.money(job, target)):
+            return False
         allowance = self.allowances.get(job.tenant)
         if allowance is None:
             return True
         return allowance.admits(pricing.gpu_share(job, target.gpu_model),
                                 pricing.compute_units(job, target.gpu_model), pricing.money(job, target))
+
+    def owner_allowance(self, job: JobDemand) -> Allowance | None:
+        """The job owner's own budget left this cycle (None: the owner has none)."""
+        return self.owner_allowances.get((job.tenant, job.owner)) if job.owner else None
 
     def commit(self, job: JobDemand, target: Target, slots: list[tuple[NodeCapacity, tuple[int, ...],
                Instance | None]], part: PartDemand) -> Placement:
@@ -251,6 +266,9 @@ class Book:
         if allowance is not None:
             allowance.charge(pricing.gpu_share(job, target.gpu_model),
                              pricing.compute_units(job, target.gpu_model), pricing.money(job, target))
+        owner = self.owner_allowance(job)
+        if owner is not None:
+            owner.charge(0.0, 0.0, pricing.money(job, target))
         if self.quota is not None and owned(target):
             self.quota.charge(job, target.gpu_model, pricing.gpu_share(job, target.gpu_model))
         parts = []

@@ -50,17 +50,31 @@ def _offer_summary(demand_class: DemandClass) -> tuple[str, Counter]:
 
 def _budget_phrase(problem: Problem, job: JobDemand) -> tuple[str, dict]:
     budget = problem.ctx.tenants.get(job.tenant)
-    if budget is None or budget.remaining_budget is None:
+    owner = budget.owner_budget(job.owner) if budget is not None else None
+    if budget is None or (budget.remaining_budget is None and owner is None):
         return "", {}
     costs = [problem.pricing.money(job, t) for t in problem.targets
              if problem.pricing.part(job, t.gpu_model) is not None]
     if not costs:
         return "", {}
     cheapest = min(costs)
-    if cheapest <= budget.remaining_budget:
-        return "", {}
-    return (f"budget: {job.tenant} has ${budget.remaining_budget:,.0f} left, cheapest fit costs ${cheapest:,.0f}",
-            {"budget_left": budget.remaining_budget, "cheapest_fit_cost": cheapest})
+    if budget.remaining_budget is not None and cheapest > budget.remaining_budget:
+        return (f"budget: {job.tenant} has ${budget.remaining_budget:,.0f} left, cheapest fit costs ${cheapest:,.0f}",
+                {"budget_left": budget.remaining_budget, "cheapest_fit_cost": cheapest})
+    if owner is not None and cheapest > owner.remaining_budget + 1e-9:
+        words = _owner_words(job, owner.remaining_budget, owner.monthly_budget)
+        return (f"{words}, cheapest fit costs ${cheapest:,.2f}",
+                _owner_data(job, owner.remaining_budget, owner.monthly_budget, cheapest))
+    return "", {}
+
+
+def _owner_words(job: JobDemand, left: float, monthly: float) -> str:
+    return f"budget: user {job.owner} of {job.tenant} has ${max(0.0, left):,.2f} left of ${monthly:,.2f} this month"
+
+
+def _owner_data(job: JobDemand, left: float, monthly: float, cheapest: float) -> dict:
+    return {"user": job.owner, "user_budget_left": max(0.0, left), "user_budget": monthly,
+            "cheapest_fit_cost": cheapest}
 
 
 def explain_job(problem: Problem, book: Book, job: JobDemand, demand_class: DemandClass,
@@ -132,6 +146,13 @@ def _lost_reason(problem: Problem, book: Book, job: JobDemand, demand_class: Dem
             return Reason(ReasonCode.BUDGET_EXCEEDED,
                           f"BUDGET_EXCEEDED: budget: {job.tenant} has ${max(0.0, allowance.dollars):,.2f} left after "
                           f"this cycle's placements, cheapest fit costs ${cheapest:,.2f}", data)
+    owner = book.owner_allowance(job)
+    if owner is not None and owner.dollars is not None and cheapest > owner.dollars + 1e-9:
+        monthly = problem.ctx.tenants[job.tenant].owner_budget(job.owner).monthly_budget
+        data.update(_owner_data(job, owner.dollars, monthly, cheapest))
+        return Reason(ReasonCode.BUDGET_EXCEEDED,
+                      f"BUDGET_EXCEEDED: {_owner_words(job, owner.dollars, monthly)} after this cycle's "
+                      f"placements, cheapest fit costs ${cheapest:,.2f}", data)
     where = f"{fitting_nodes} nodes" + (f" and {len(fitting_offers)} cloud offers" if fitting_offers else "")
     offer_left = {offer.id: book.launches_left(offer.id, offer.launch_group)
                   for offer in (problem.targets[c.target].offer for c in demand_class.candidates) if offer is not None}

@@ -187,6 +187,9 @@ class JobDemand:
     job_family: str = ""
     # Submission time; older jobs win ties (FIFO within equal priority).
     submitted_at: float = 0.0
+    # The job's owner, when they have a budget of their own (TenantBudget.owners); "" otherwise, so jobs
+    # of owners without one still share demand classes.
+    owner: str = ""
 
     @property
     def is_fractional(self) -> bool:
@@ -209,6 +212,15 @@ class JobDemand:
 
 
 @dataclass(frozen=True, slots=True)
+class OwnerBudget:
+    """One member's own monthly budget inside their team's: what their jobs may still spend this month."""
+
+    owner: str
+    remaining_budget: float  # USD
+    monthly_budget: float  # USD, for the pending reason's words
+
+
+@dataclass(frozen=True, slots=True)
 class TenantBudget:
     tenant: str
     gpu_quota: float | None = None  # GPUs (fractions count fractionally); None = unlimited
@@ -216,6 +228,13 @@ class TenantBudget:
     gpus_in_use: float = 0.0
     cu_in_use: float = 0.0
     remaining_budget: float | None = None  # USD; None = unlimited
+    # Members with a budget of their own; a job (JobDemand.owner) spends from both.
+    owners: tuple[OwnerBudget, ...] = ()
+
+    def owner_budget(self, owner: str) -> OwnerBudget | None:
+        if not owner:
+            return None
+        return next((b for b in self.owners if b.owner == owner), None)
 
 
 # The flavor of a quota in compute units: it counts the CU of every owned GPU a team holds.

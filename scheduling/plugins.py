@@ -165,10 +165,16 @@ def _team_quota(job: JobDemand, part: PartDemand, target: Target, ctx: FilterCon
 
 
 def _tenant_budget(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    """What the placement would spend fits in the team's remaining budget and in its owner's own."""
     budget = ctx.tenants.get(job.tenant)
-    if budget is None or budget.remaining_budget is None:
+    if budget is None:
         return True
-    return ctx.pricing.money(job, target) <= budget.remaining_budget + 1e-9
+    owner = budget.owner_budget(job.owner)
+    if budget.remaining_budget is None and owner is None:
+        return True
+    money = ctx.pricing.money(job, target)
+    return ((budget.remaining_budget is None or money <= budget.remaining_budget + 1e-9)
+            and (owner is None or money <= owner.remaining_budget + 1e-9))
 
 
 def _gpus_phrase(job: JobDemand, n: int) -> str:
@@ -220,7 +226,8 @@ FILTERS: dict[str, FilterPlugin] = {plugin.name: plugin for plugin in (
     FilterPlugin("team_quota", ReasonCode.NOMINAL_QUOTA_USED, _team_quota,
                  lambda job, n: f"{n} would take team {job.tenant} past its quota of owned GPUs"),
     FilterPlugin("tenant_budget", ReasonCode.BUDGET_EXCEEDED, _tenant_budget,
-                 lambda job, n: f"{n} cost more than tenant {job.tenant}'s remaining budget"),
+                 lambda job, n: f"{n} cost more than tenant {job.tenant}'s remaining budget"
+                                + (f" or user {job.owner}'s" if job.owner else "")),
 )}
 
 

@@ -62,7 +62,8 @@ class PoolSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Pool
-        fields = ["id", "name", "kind", "region", "gpu_hour_rate_usd", "marginal_cost_usd_per_gpu_hour", "enabled",
+        fields = ["id", "name", "kind", "region", "gpu_hour_rate_usd", "cpu_rate_usd_per_core_hour",
+                  "memory_rate_usd_per_gib_hour", "marginal_cost_usd_per_gpu_hour", "enabled",
                   "node_count", "owned", "shared", "owner", "created_at"]
 
     def get_owned(self, pool: Pool) -> bool:

@@ -14,6 +14,8 @@ import io
 import os
 from datetime import date, timedelta
 
+from django.db import transaction
+from django.db.models import Q
 from django.http import Http404
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
@@ -31,9 +33,9 @@ from broker.api.throttles import JobSubmitThrottle
 from broker.billing.metering import month_of
 from broker.billing.models import BudgetAlert
 from broker.billing.selectors import GROUP_FIELDS, cost_report, month_to_date_spend
-from broker.billing.services import BillingError, budget_set
+from broker.billing.services import BillingError, budget_set, user_budgets_set
 from broker.billing.scope import ALL_TEAMS, billing_teams, reads_whole_team
-from broker.billing.statements import budget_status, statement_get, statements_list
+from broker.billing.statements import budget_status, statement_get, statements_list, user_budget_lines
 from broker.tenancy.models import Tenant
 from broker.tenancy.permissions import IsTenantAdmin, IsTenantMember, tenant_context
 
@@ -95,6 +97,10 @@ class CostRowSerializer(serializers.Serializer):
     cost = serializers.CharField(help_text="Dollars, idle included, to the cent")
     idle_gpu_hours = serializers.FloatField()
     idle_cost = serializers.CharField(help_text="The idle part of cost")
+    cpu_cost = serializers.CharField(help_text="The part of cost for the jobs' requested CPU (owned pools with a "
+                                               "CPU rate; 0.00 elsewhere)")
+    memory_cost = serializers.CharField(help_text="The part of cost for the jobs' requested memory (owned pools "
+                                                  "with a memory rate; 0.00 elsewhere)")
     avg_gpu_utilisation = serializers.FloatField(allow_null=True, help_text="% while held; null without telemetry")
 
 
@@ -128,7 +134,15 @@ class StatementLineSerializer(serializers.Serializer):
     seconds = serializers.IntegerField()
     gpu_hours = serializers.CharField()
     rate_usd_per_gpu_hour = serializers.CharField()
-    amount_usd = serializers.CharField()
+    cpu_core_hours = serializers.CharField(required=False, help_text="vCPU-hours requested, where charged")
+    cpu_rate_usd_per_core_hour = serializers.CharField(required=False, allow_null=True,
+                                                       help_text="null: CPU not charged")
+    cpu_amount_usd = serializers.CharField(required=False, help_text="The CPU part of amount_usd")
+    memory_gib_hours = serializers.CharField(required=False, help_text="GiB-hours requested, where charged")
+    memory_rate_usd_per_gib_hour = serializers.CharField(required=False, allow_null=True,
+                                                         help_text="null: memory not charged")
+    memory_amount_usd = serializers.CharField(required=False, help_text="The memory part of amount_usd")
+    amount_usd = serializers.CharField(help_text="The line's total: GPU + CPU + memory")
 
 
 class StatementSerializer(serializers.Serializer):
@@ -170,6 +184,9 @@ class BudgetOutSerializer(serializers.Serializer):
     warning = serializers.BooleanField(help_text="80% of the budget reached")
     exceeded = serializers.BooleanField(help_text="100% reached: no new spending placement for the team")
     alerts = BudgetAlertSerializer(many=True)
+    users = serializers.ListField(child=serializers.DictField(), help_text=(
+        "Per-user budgets: {user, monthly_budget_usd, spent_usd, remaining_usd, used_pct, warning, exceeded, "
+        "alerts}. Admins see every member's, others their own line only."))
 
 
 class QuoteOutSerializer(serializers.Serializer):
@@ -353,12 +370,38 @@ class StatementDetailView(BillingView):
         return Response(statement)
 
 
+MONEY_FIELD = {"max_digits": 14, "decimal_places": 2, "min_value": 0}
+MAX_USER_BUDGETS = 200  # one PATCH; a team is rarely bigger, and the body stays small
+MAX_USERNAME = 150  # Django's username length
+
+
 class BudgetInSerializer(StrictSerializer):
-    monthly_budget_usd = serializers.DecimalField(max_digits=14, decimal_places=2, min_value=0, allow_null=True)
+    monthly_budget_usd = serializers.DecimalField(**MONEY_FIELD, allow_null=True, required=False,
+                                                  help_text="The team's monthly budget; null = none")
+    users = serializers.DictField(
+        child=serializers.DecimalField(**MONEY_FIELD, allow_null=True), required=False, allow_empty=False,
+        help_text="username -> that member's monthly budget in USD; null clears it")
+
+    def validate_users(self, value: dict) -> dict:
+        if len(value) > MAX_USER_BUDGETS:
+            raise serializers.ValidationError(f"At most {MAX_USER_BUDGETS} users per request.")
+        # Keys are not validated by DictField: a NUL would reach PostgreSQL (a 500), a long one the reply.
+        bad = next((name for name in value if not name or len(name) > MAX_USERNAME
+                    or not name.isprintable()), None)
+        if bad is not None:
+            raise serializers.ValidationError(f"{bad[:40]!r} is not a username.")
+        return value
+
+    def validate(self, attrs: dict) -> dict:
+        if not attrs:
+            raise serializers.ValidationError({"monthly_budget_usd": ["Give monthly_budget_usd, users or both."]})
+        return attrs
 
 
 class BudgetView(BillingView):
-    """GET: this month's budget, spend, warning (>= 80%) and alerts. PATCH (team admins): change the budget."""
+    """GET: this month's budget, spend, warning (>= 80%) and alerts, and the per-user budgets (admins: every
+    member's; others: their own). PATCH (team admins): change the team's budget and/or members' budgets
+    (`users`: {username: amount or null}); a name that is not a member of the team is a 400 on `users`."""
 
     renderer_classes = [JSONRenderer]
 
@@ -368,11 +411,21 @@ class BudgetView(BillingView):
     def _body(self) -> dict:
         tenant = self.ctx.tenant
         now = timezone.now()
+        month = month_of(now.date())
         status = budget_status(tenant=tenant, spent=month_to_date_spend(tenant=tenant, now=now))
-        alerts = [{"threshold_pct": a.threshold_pct, "spent_usd": str(a.spent_usd), "budget_usd": str(a.budget_usd),
-                   "at": a.created_at.isoformat()}
-                  for a in BudgetAlert.objects.filter(tenant=tenant, month=month_of(now.date()))]
-        return {"team": tenant.slug, "month": month_of(now.date()), **status, "alerts": alerts}
+        alerts = BudgetAlert.objects.filter(tenant=tenant, month=month).select_related("user")
+        # A member or viewer sees their own budget line only; an admin every member's.
+        own = None if self.ctx.is_admin else self.request.user.get_username()
+        if own is not None:
+            alerts = alerts.filter(Q(user__isnull=True) | Q(user__username=own))
+        by_user: dict[str | None, list[dict]] = {}
+        for a in alerts:
+            by_user.setdefault(a.user.get_username() if a.user_id else None, []).append(
+                {"threshold_pct": a.threshold_pct, "spent_usd": str(a.spent_usd), "budget_usd": str(a.budget_usd),
+                 "at": a.created_at.isoformat()})
+        users = [{**line, "alerts": by_user.get(line["user"], [])}
+                 for line in user_budget_lines(tenant=tenant, now=now, username=own)]
+        return {"team": tenant.slug, "month": month, **status, "alerts": by_user.get(None, []), "users": users}
 
     @extend_schema(operation_id="budget_read", responses={200: BudgetOutSerializer})
     def get(self, request: Request) -> Response:
@@ -383,7 +436,15 @@ class BudgetView(BillingView):
     def patch(self, request: Request) -> Response:
         body = BudgetInSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        budget_set(tenant=self.ctx.tenant, monthly_budget_usd=body.validated_data["monthly_budget_usd"])
+        data = body.validated_data
+        with transaction.atomic():  # both or neither
+            if "users" in data:
+                try:
+                    user_budgets_set(tenant=self.ctx.tenant, budgets=data["users"])
+                except BillingError as exc:
+                    raise exceptions.ValidationError({exc.field: [str(exc)]}) from None
+            if "monthly_budget_usd" in data:
+                budget_set(tenant=self.ctx.tenant, monthly_budget_usd=data["monthly_budget_usd"])
         return Response(self._body())
 
 
@@ -417,4 +478,5 @@ class QuoteView(BillingView):
         from broker.jobs.intake import submission_parse
 
         submission = submission_parse(request.data, tenant=self.ctx.tenant)  # any format /jobs/ takes
-        return Response(quote(tenant=self.ctx.tenant, validated=submission.validated))
+        return Response(quote(tenant=self.ctx.tenant, validated=submission.validated,
+                              user=request.user.get_username()))

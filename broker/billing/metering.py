@@ -12,6 +12,12 @@ Rules (also in README.md, "Billing and cost reports"):
    for that GPU model (ChargebackRate, else `Pool.gpu_hour_rate_usd`), never the scheduler's marginal
    cost. A fraction of a GPU holds ceil(fraction x 10) slots and pays slots / 10 of a GPU.
 3. amount = GPU-seconds / 3600 x rate, rounded once per line to the cent, ROUND_HALF_EVEN.
+3b. CPU and memory: on an owned node whose pool sets them (Pool.cpu_rate_usd_per_core_hour,
+   memory_rate_usd_per_gib_hour; null = not charged), the job's requested vCPUs (cpu_milli / 1000) and
+   GiB (memory_mb / 1024) per node pay core-seconds / 3600 x CPU rate and GiB-seconds / 3600 x memory
+   rate, each rounded once per line the same way; the rates are fixed with the GPU rate. The line's
+   amount is GPU + CPU + memory (so every total, budgets included, counts them). A rented instance's
+   price already covers its CPU and memory: nothing more is charged there.
 4. Idle: a rented instance the cloud confirmed (it has a provider id) costs from its request
    (`created_at`: booting counts) to its termination; the GPU-seconds of that life no allocation held
    are one `__idle__` line per day at the same per-GPU rate, charged to the team whose job caused the
@@ -34,7 +40,9 @@ from broker.jobs.models import Allocation
 
 CENT = Decimal("0.01")
 ROUNDING_RULE = ("amount = GPU-seconds / 3600 x rate, rounded once per line (one allocation or idle instance, "
-                 "one UTC day) to the cent, ROUND_HALF_EVEN; totals are sums of lines")
+                 "one UTC day) to the cent, ROUND_HALF_EVEN, plus CPU (core-seconds / 3600 x rate) and memory "
+                 "(GiB-seconds / 3600 x rate) where the pool sets those rates, each rounded the same way; "
+                 "totals are sums of lines")
 SLOTS = Gpu.SLOTS
 IDLE_RULES = ("launcher", "owner")
 
@@ -105,6 +113,13 @@ class Line:
     amount_usd: Decimal
     avg_gpu_utilisation: float | None
     final: bool
+    # CPU and memory (owned pools with those rates; zero and None elsewhere). amount_usd includes them.
+    cpu_core_seconds: Decimal = Decimal(0)
+    memory_gib_seconds: Decimal = Decimal(0)
+    cpu_rate_usd_per_core_hour: Decimal | None = None
+    memory_rate_usd_per_gib_hour: Decimal | None = None
+    cpu_amount_usd: Decimal = Decimal("0.00")
+    memory_amount_usd: Decimal = Decimal("0.00")
 
     def record_fields(self) -> dict:
         data = asdict(self)
@@ -138,6 +153,17 @@ class PriceBasis(NamedTuple):
     pool_id: int
     pool_rate: Decimal
     gpu_model: str
+    cpu_rate: Decimal | None = None  # the pool's $/vCPU-hour (None: CPU not charged)
+    memory_rate: Decimal | None = None  # the pool's $/GiB-hour
+
+
+def resource_rates(cpu_rate: Decimal | None, memory_rate: Decimal | None,
+                   source: str) -> tuple[Decimal | None, Decimal | None]:
+    """The (CPU, memory) rates an allocation pays given its pool's and its GPU rate's source: none on a
+    rented instance (its price covers CPU and memory), the pool's own elsewhere."""
+    if source == "instance":
+        return None, None
+    return (None if cpu_rate is None else Decimal(cpu_rate)), (None if memory_rate is None else Decimal(memory_rate))
 
 
 def current_rates(bases: list[PriceBasis]) -> dict[int, tuple[Decimal, str, bool]]:
@@ -180,9 +206,13 @@ def allocation_lines(alloc: Allocation, meter: AllocationMeter | None, *, until:
     `alloc` needs job__owner, job__tenant, node__pool__tenant and slices__gpu__model loaded."""
     if meter is not None:
         rate, spot = Decimal(meter.rate_usd_per_gpu_hour), meter.spot
+        cpu_rate, memory_rate = resource_rates(meter.cpu_rate_usd_per_core_hour, meter.memory_rate_usd_per_gib_hour,
+                                               meter.rate_source)
         util = meter.avg_utilisation
     else:
-        rate, _, spot = current_rate(alloc)
+        rate, source, spot = current_rate(alloc)
+        cpu_rate, memory_rate = resource_rates(alloc.node.pool.cpu_rate_usd_per_core_hour,
+                                               alloc.node.pool.memory_rate_usd_per_gib_hour, source)
         util = None
     start_s = _secs(alloc.created_at)
     until_s = _secs(until)
@@ -196,14 +226,29 @@ def allocation_lines(alloc: Allocation, meter: AllocationMeter | None, *, until:
     for day, a, b in day_segments(start_s, end_s):
         gpu_seconds = Decimal(slots * (b - a)) / SLOTS
         final = b == _day_end_s(day) or (released_s is not None and b == released_s)
+        extra = _resource_parts(job, b - a, cpu_rate, memory_rate)
+        gpu_amount = money(gpu_seconds, rate)
         lines.append(Line(
             key=f"alloc:{alloc.pk}:{day.isoformat()}", kind=UsageKind.USAGE, tenant_id=job.tenant_id,
             month=month_of(day), day=day, job_id=job.pk, job_name=job.name[:200], user=job.owner.get_username(),
             allocation_id=alloc.pk, instance_id=None, node=alloc.node.name, gpu_model=_gpu_model(alloc),
             provider=pool.kind, pool=_pool_label(pool), region=pool.region, spot=spot, start=_at(a), end=_at(b),
             seconds=b - a, gpus=gpus, gpu_seconds=gpu_seconds, rate_usd_per_gpu_hour=rate,
-            amount_usd=money(gpu_seconds, rate), avg_gpu_utilisation=util, final=final))
+            amount_usd=gpu_amount + extra["cpu_amount_usd"] + extra["memory_amount_usd"], avg_gpu_utilisation=util,
+            final=final, **extra))
     return lines
+
+
+def _resource_parts(job, seconds: int, cpu_rate: Decimal | None, memory_rate: Decimal | None) -> dict:
+    """A line's CPU and memory fields: the job's request per node for `seconds`, priced where a rate is set
+    (quantities are recorded only where charged, so a pool without rates stores what it always did)."""
+    parts: dict = {"cpu_rate_usd_per_core_hour": cpu_rate, "memory_rate_usd_per_gib_hour": memory_rate}
+    cpu = Decimal(job.cpu_milli * seconds) / 1000 if cpu_rate is not None else Decimal(0)
+    memory = Decimal(job.memory_mb * seconds) / 1024 if memory_rate is not None else Decimal(0)
+    parts.update(cpu_core_seconds=cpu, memory_gib_seconds=memory,
+                 cpu_amount_usd=money(cpu, cpu_rate) if cpu_rate is not None else Decimal("0.00"),
+                 memory_amount_usd=money(memory, memory_rate) if memory_rate is not None else Decimal("0.00"))
+    return parts
 
 
 def idle_tenant_id(instance: CloudInstance) -> int:

@@ -62,10 +62,23 @@ def _owned_rate(node: Node, gpu_model: str) -> Decimal:
     return Decimal(override.rate_usd_per_gpu_hour if override else node.pool.gpu_hour_rate_usd)
 
 
-def quote(*, tenant: Tenant, validated: dict, now: datetime | None = None) -> dict:
+def _resource_rate(pool, demand: sm.JobDemand) -> Decimal:
+    """$ per hour of the job's CPUs and memory on an owned pool that charges them (billing meters the
+    same per node: broker/billing/metering.py), 0 where the pool sets no rate."""
+    hourly = Decimal(0)
+    if pool.cpu_rate_usd_per_core_hour is not None:
+        hourly += Decimal(pool.cpu_rate_usd_per_core_hour) * Decimal(demand.cpu_milli) / 1000
+    if pool.memory_rate_usd_per_gib_hour is not None:
+        hourly += Decimal(pool.memory_rate_usd_per_gib_hour) * Decimal(demand.memory_mb) / 1024
+    return hourly * max(1, demand.nodes)
+
+
+def quote(*, tenant: Tenant, validated: dict, now: datetime | None = None, user: str = "") -> dict:
+    """`user`: who asks (the job's owner-to-be): a member's own budget limits what is quoted, as it
+    would limit the placement."""
     now = now or timezone.now()
     job = _unsaved_job(tenant=tenant, validated=validated)
-    demand = dataclasses.replace(job_demand(job), job_id=QUOTE_JOB_ID, submitted_at=now.timestamp())
+    demand = dataclasses.replace(job_demand(job), job_id=QUOTE_JOB_ID, submitted_at=now.timestamp(), owner=user)
     component = scheduling_component(tenant)
     offers, offer_index = cloud_offers(tenants=component)
     base = component_snapshot(tenants=component, now=now, offers=offers,
@@ -83,7 +96,7 @@ def quote(*, tenant: Tenant, validated: dict, now: datetime | None = None) -> di
             reason = plan.pending.get(QUOTE_JOB_ID)
             if reason is not None:
                 reasons.append({"variant": {"spot": variant.spot, "providers": list(variant.providers)},
-                                "code": str(reason.code), "message": reason.message})
+                                "code": reason.code.value, "message": reason.message})
             continue
         option = _option(placement=placement, plan=plan, demand=variant, pricing=pricing, nodes=nodes,
                          offer_index=offer_index, now=now)
@@ -117,7 +130,7 @@ def _option(*, placement: sm.Placement, plan: sm.Plan, demand: sm.JobDemand, pri
                  "region": pool.region if pool else "", "node": node.name if node else placement.node_id,
                  "owned": bool(pool and pool.kind == PoolKind.ONPREM)}
         if node is not None and pool.kind == PoolKind.ONPREM:
-            hourly = _owned_rate(node, model) * share
+            hourly = _owned_rate(node, model) * share + _resource_rate(pool, demand)
         else:
             hourly = Decimal(str(placement.price_per_hour))
         starts = now

@@ -1,13 +1,16 @@
 """Savings for a period: what each job's GPU time would have cost on the cheapest single-cloud on-demand
 offer for its GPU model, against what it cost (its usage lines; idle lines are the team's, shown apart).
 
-The counterfactual per job = its GPU-hours on each GPU model x the lowest on-demand price per GPU-hour of
-that model among the cloud offers the team may rent through now (broker.provisioning.offers.cloud_offers,
-the scheduler's own, every provider and region). A job whose model no offer has has no counterfactual
-(`on_demand_usd: null`) and is left out of the totals' comparison.
+The counterfactual per job = its GPU-hours on each GPU model and day x the lowest on-demand price per
+GPU-hour of that model among the cloud offers the team could rent through that day
+(broker.provisioning.offers.cloud_offers, the scheduler's own, every provider and region). The metering
+task records those prices once per team and UTC day (OnDemandPrice); a day from before the recording
+began, or today before its first metering run, uses the offers as they are now. A job whose model no
+offer has has no counterfactual (`on_demand_usd: null`) and is left out of the totals' comparison.
 """
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from datetime import date, datetime
 from decimal import ROUND_HALF_EVEN, Decimal
@@ -16,9 +19,11 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from broker.billing.metering import CENT
-from broker.billing.models import UsageKind
+from broker.billing.models import OnDemandPrice, UsageKind
 from broker.billing.selectors import ZERO, _stored, consistent_read, live_lines
 from broker.tenancy.models import Tenant
+
+log = logging.getLogger(__name__)
 
 
 def cheapest_on_demand(*, tenant: Tenant) -> dict[str, tuple[Decimal, str]]:
@@ -37,15 +42,41 @@ def cheapest_on_demand(*, tenant: Tenant) -> dict[str, tuple[Decimal, str]]:
     return best
 
 
+def on_demand_prices_record(*, now: datetime | None = None) -> int:
+    """Record today's cheapest on-demand price per GPU model for every team that has none for today yet
+    (the metering task calls this every run; after the first run of a day it is one query). Returns how
+    many prices were written. A team whose offers cannot be read is skipped and tried again next run."""
+    today = (now or timezone.now()).date()
+    done = set(OnDemandPrice.objects.filter(day=today).values_list("tenant_id", flat=True).distinct())
+    written = 0
+    for tenant in Tenant.objects.exclude(pk__in=done):
+        try:
+            prices = cheapest_on_demand(tenant=tenant)
+        except Exception:  # noqa: BLE001 - a pool's broken config must not stop metering (logged)
+            log.exception("savings: could not read %s's cloud offers; its prices for %s are recorded later",
+                          tenant.slug, today)
+            continue
+        rows = [OnDemandPrice(tenant=tenant, day=today, gpu_model=model, usd_per_gpu_hour=price, offer=offer[:200])
+                for model, (price, offer) in prices.items()]
+        # A team with no cloud offer at all gets no row and is asked again: cheap, and it may gain one.
+        written += len(OnDemandPrice.objects.bulk_create(rows, ignore_conflicts=True))
+    return written
+
+
+def _prices_by_day(*, tenant: Tenant, start: date, end: date) -> dict[tuple[date, str], tuple[Decimal, str]]:
+    return {(p.day, p.gpu_model): (Decimal(p.usd_per_gpu_hour), p.offer)
+            for p in OnDemandPrice.objects.filter(tenant=tenant, day__gte=start, day__lt=end)}
+
+
 def savings_report(*, tenant: Tenant, start: date, end: date, user: str | None = None,
                    now: datetime | None = None) -> dict:
     now = now or timezone.now()
     held: dict[tuple, dict] = defaultdict(lambda: {"gs": Decimal(0), "cost": ZERO})
     with consistent_read():
         for row in (_stored(tenant=tenant, start=start, end=end, user=user).filter(kind=UsageKind.USAGE)
-                    .values("job_id", "job_name", "gpu_model").annotate(gs=Sum("gpu_seconds"), cost=Sum("amount_usd"))
-                    .order_by()):
-            item = held[(row["job_id"], row["job_name"], row["gpu_model"])]
+                    .values("job_id", "job_name", "gpu_model", "day")
+                    .annotate(gs=Sum("gpu_seconds"), cost=Sum("amount_usd")).order_by()):
+            item = held[(row["job_id"], row["job_name"], row["gpu_model"], row["day"])]
             item["gs"] += Decimal(row["gs"])
             item["cost"] += Decimal(row["cost"]).quantize(CENT)
         idle = ZERO
@@ -53,25 +84,34 @@ def savings_report(*, tenant: Tenant, start: date, end: date, user: str | None =
             if ln.kind == UsageKind.IDLE:
                 idle += ln.amount_usd
                 continue
-            item = held[(ln.job_id, ln.job_name, ln.gpu_model)]
+            item = held[(ln.job_id, ln.job_name, ln.gpu_model, ln.day)]
             item["gs"] += ln.gpu_seconds
             item["cost"] += ln.amount_usd
         stored_idle = (_stored(tenant=tenant, start=start, end=end, user=user).filter(kind=UsageKind.IDLE)
                        .aggregate(total=Sum("amount_usd"))["total"])
         idle += Decimal(stored_idle or ZERO).quantize(CENT)
-    prices = cheapest_on_demand(tenant=tenant)
+    recorded = _prices_by_day(tenant=tenant, start=start, end=end)
+    recorded_days = {day for day, _ in recorded}
+    current: dict[str, tuple[Decimal, str]] | None = None  # today's offers, read only if a day has no record
     jobs: dict[int, dict] = {}
-    for (job_id, job_name, model), item in held.items():
+    # GPU-seconds per job, model and price: a job's days at one price are priced (and rounded) together.
+    at_price: dict[tuple, Decimal] = defaultdict(Decimal)
+    for (job_id, job_name, model, day), item in held.items():
         job = jobs.setdefault(job_id, {"job": job_id, "job_name": job_name, "gpu_hours": Decimal(0), "cost": ZERO,
                                        "on_demand": ZERO, "comparable": True, "offers": []})
         job["gpu_hours"] += item["gs"] / 3600
         job["cost"] += item["cost"]
-        price = prices.get(model)
+        price = recorded.get((day, model))
+        if price is None and day not in recorded_days:  # before recording began: the offers as they are now
+            current = cheapest_on_demand(tenant=tenant) if current is None else current
+            price = current.get(model)
         if price is None:
             job["comparable"] = False
         else:
-            job["on_demand"] += (item["gs"] / 3600 * price[0]).quantize(CENT, rounding=ROUND_HALF_EVEN)
+            at_price[(job_id, model, price[0])] += item["gs"]
             job["offers"].append(price[1])
+    for (job_id, _, rate), gpu_seconds in at_price.items():
+        jobs[job_id]["on_demand"] += (gpu_seconds / 3600 * rate).quantize(CENT, rounding=ROUND_HALF_EVEN)
     rows = []
     cost_total = on_demand_total = compared_cost = ZERO
     for job in sorted(jobs.values(), key=lambda j: j["job"] or 0):

@@ -83,10 +83,12 @@ def _row_key(values: dict, group_by: list[str], tenant_slug: str) -> tuple:
 def cost_report(*, tenant: Tenant | None = None, start: date, end: date, group_by: list[str],
                 user: str | None = None, now: datetime | None = None, job_id: int | None = None,
                 tenants: Sequence[Tenant] | None = None) -> list[dict]:
-    """Rows of {keys..., gpu_hours, cost, idle_gpu_hours, idle_cost, avg_gpu_utilisation} for days
-    [start, end), of `tenant`, or of `tenants` together (a platform admin's report: rows that group by
-    no team add the teams up). `cost` includes idle cost; `gpu_hours` are GPU-hours held by jobs; the
-    utilisation is the GPU-hour-weighted mean of the lines that have readings (null when none has)."""
+    """Rows of {keys..., gpu_hours, cost, idle_gpu_hours, idle_cost, cpu_cost, memory_cost,
+    avg_gpu_utilisation} for days [start, end), of `tenant`, or of `tenants` together (a platform admin's
+    report: rows that group by no team add the teams up). `cost` is the total paid: idle, CPU and memory
+    included (`cpu_cost`, `memory_cost`: the parts owned pools charge for the jobs' requested CPU and
+    memory); `gpu_hours` are GPU-hours held by jobs; the utilisation is the GPU-hour-weighted mean of the
+    lines that have readings (null when none has)."""
     teams = list(tenants) if tenants is not None else [tenant]
     now = now or timezone.now()
     fields = [GROUP_FIELDS[g] for g in group_by]
@@ -100,6 +102,8 @@ def cost_report(*, tenant: Tenant | None = None, start: date, end: date, group_b
                   .annotate(gs=Sum("gpu_seconds", filter=usage), cost=Sum("amount_usd", output_field=money),
                             idle_gs=Sum("gpu_seconds", filter=idle),
                             idle_cost=Sum("amount_usd", filter=idle, output_field=money),
+                            cpu_cost=Sum("cpu_amount_usd", output_field=money),
+                            memory_cost=Sum("memory_amount_usd", output_field=money),
                             util_w=Sum(F("avg_gpu_utilisation") * F("gpu_seconds"), filter=with_util,
                                        output_field=FloatField()),
                             util_gs=Sum("gpu_seconds", filter=with_util))
@@ -108,6 +112,7 @@ def cost_report(*, tenant: Tenant | None = None, start: date, end: date, group_b
             key = tuple(values[f] for f in fields)
             rows[key] = {"gs": values["gs"] or Decimal(0), "cost": values["cost"] or ZERO,
                          "idle_gs": values["idle_gs"] or Decimal(0), "idle_cost": values["idle_cost"] or ZERO,
+                         "cpu_cost": values["cpu_cost"] or ZERO, "memory_cost": values["memory_cost"] or ZERO,
                          "util_w": values["util_w"] or 0.0, "util_gs": float(values["util_gs"] or 0)}
         live = [(team.slug, ln) for team in teams
                 for ln in live_lines(tenant=team, start=start, end=end, now=now, user=user, job_id=job_id)]
@@ -115,8 +120,10 @@ def cost_report(*, tenant: Tenant | None = None, start: date, end: date, group_b
         attrs = {"tenant__slug": slug, **{f: getattr(ln, f) for f in fields if f != "tenant__slug"}}
         key = tuple(attrs[f] for f in fields)
         row = rows.setdefault(key, {"gs": Decimal(0), "cost": ZERO, "idle_gs": Decimal(0), "idle_cost": ZERO,
-                                    "util_w": 0.0, "util_gs": 0.0})
+                                    "cpu_cost": ZERO, "memory_cost": ZERO, "util_w": 0.0, "util_gs": 0.0})
         row["cost"] += ln.amount_usd
+        row["cpu_cost"] += ln.cpu_amount_usd
+        row["memory_cost"] += ln.memory_amount_usd
         if ln.kind == UsageKind.IDLE:
             row["idle_gs"] += ln.gpu_seconds
             row["idle_cost"] += ln.amount_usd
@@ -140,6 +147,8 @@ def cost_report(*, tenant: Tenant | None = None, start: date, end: date, group_b
             cost=str(Decimal(row["cost"]).quantize(CENT)),
             idle_gpu_hours=float(round(row["idle_gs"] / Decimal(3600), 4)),
             idle_cost=str(Decimal(row["idle_cost"]).quantize(CENT)),
+            cpu_cost=str(Decimal(row["cpu_cost"]).quantize(CENT)),
+            memory_cost=str(Decimal(row["memory_cost"]).quantize(CENT)),
             avg_gpu_utilisation=round(row["util_w"] / row["util_gs"], 1) if row["util_gs"] else None)
         out.append(item)
     return out
@@ -154,6 +163,29 @@ def month_to_date_spend(*, tenant: Tenant, now: datetime) -> Decimal:
         stored = UsageRecord.objects.filter(tenant=tenant, month=month).aggregate(total=Sum("amount_usd"))["total"]
         live = live_lines(tenant=tenant, start=start, end=date.max, now=now)
     return (Decimal(stored or ZERO) + sum((ln.amount_usd for ln in live), ZERO)).quantize(CENT)
+
+
+def month_to_date_spend_by_user(*, tenant: Tenant, now: datetime,
+                                users: list[str] | None = None) -> dict[str, Decimal]:
+    """username -> what the jobs `tenant`'s member owns cost this UTC month so far (the figure their budget is
+    checked against); `users` limits it to those. Idle lines are the team's and count for no user. Every
+    user asked for has an entry (0.00 when they spent nothing)."""
+    month = month_of(now.date())
+    start = now.date().replace(day=1)
+    totals: dict[str, Decimal] = defaultdict(lambda: ZERO)
+    with consistent_read():
+        # Any kind but idle: a job's lines (whatever they price) are its owner's.
+        stored = UsageRecord.objects.filter(tenant=tenant, month=month).exclude(kind=UsageKind.IDLE)
+        if users is not None:
+            stored = stored.filter(user__in=users)
+        for user, total in stored.values_list("user").annotate(total=Sum("amount_usd")).order_by():
+            totals[user] += Decimal(total)
+        # One pass over the team's open lines for all users (not one per user): the scheduler asks each cycle.
+        for ln in live_lines(tenant=tenant, start=start, end=date.max, now=now):
+            if ln.kind != UsageKind.IDLE and (users is None or ln.user in users):
+                totals[ln.user] += ln.amount_usd
+    out = {user: total.quantize(CENT) for user, total in totals.items() if user != IDLE}
+    return {**{user: ZERO for user in users or ()}, **out}
 
 
 def month_to_date_spend_by_provider(*, now: datetime, tenant: Tenant | None = None) -> dict[tuple[str, str], Decimal]:

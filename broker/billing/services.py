@@ -21,12 +21,14 @@ from django.db.models import F, Prefetch, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from broker.billing.metering import Line, PriceBasis, allocation_lines, current_rates, instance_idle_lines, month_of
-from broker.billing.models import (AllocationMeter, BillingMonth, BudgetAlert, InstanceMeter, UsageRecord)
+from broker.billing.metering import (Line, PriceBasis, allocation_lines, current_rates, instance_idle_lines, month_of,
+                                     resource_rates)
+from broker.billing.models import (AllocationMeter, BillingMonth, BudgetAlert, InstanceMeter, UsageRecord,
+                                   UserBudget)
 from broker.inventory.models import CloudInstance, Gpu, Pool
 from broker.jobs.models import Allocation, AllocationSlice
 from broker.rows import objects_insert
-from broker.tenancy.models import Quota, Tenant
+from broker.tenancy.models import Membership, Quota, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,8 @@ def rates_fix(*, now: datetime, allocation_ids: list[int] | None = None) -> int:
     pending = Allocation.objects.filter(meter__isnull=True)
     if allocation_ids is not None:
         pending = pending.filter(pk__in=allocation_ids)
-    rows = list(pending.values_list("pk", "node_id", "node__pool_id", "node__pool__gpu_hour_rate_usd"))
+    rows = list(pending.values_list("pk", "node_id", "node__pool_id", "node__pool__gpu_hour_rate_usd",
+                                    "node__pool__cpu_rate_usd_per_core_hour", "node__pool__memory_rate_usd_per_gib_hour"))
     if not rows:
         return 0
     ids = [row[0] for row in rows]
@@ -77,8 +80,9 @@ def rates_fix(*, now: datetime, allocation_ids: list[int] | None = None) -> int:
     gpu_model = dict(Gpu.objects.filter(pk__in=set(first_gpu.values()))
                      .values_list("pk", Coalesce("model__name", "model_name")))
     bases = [PriceBasis(allocation_id=pk, node_id=node_id, pool_id=pool_id, pool_rate=Decimal(pool_rate),
-                        gpu_model=gpu_model.get(first_gpu.get(pk), "") or "")
-             for pk, node_id, pool_id, pool_rate in rows]
+                        gpu_model=gpu_model.get(first_gpu.get(pk), "") or "", cpu_rate=cpu_rate,
+                        memory_rate=memory_rate)
+             for pk, node_id, pool_id, pool_rate, cpu_rate, memory_rate in rows]
     # One query for the instances and one for the overrides of all of them (per allocation this took
     # 6 ms: 5,000 placements of one cycle paid 30 s for their prices), one insert for the meters.
     before = AllocationMeter.objects.filter(allocation_id__in=ids).count()
@@ -94,10 +98,11 @@ def meters_create(*, now: datetime, allocations: list[Allocation], gpu_models: d
     inserted row by row: 2 s of a 5,000-placement cycle."""
     if not allocations:
         return 0
-    pool_rates = dict(Pool.objects.filter(pk__in={a.node.pool_id for a in allocations})
-                      .values_list("pk", "gpu_hour_rate_usd"))
+    pool_rates = {pk: rates for pk, *rates in Pool.objects.filter(pk__in={a.node.pool_id for a in allocations})
+                  .values_list("pk", "gpu_hour_rate_usd", "cpu_rate_usd_per_core_hour", "memory_rate_usd_per_gib_hour")}
     bases = [PriceBasis(allocation_id=a.pk, node_id=a.node_id, pool_id=a.node.pool_id,
-                        pool_rate=Decimal(pool_rates[a.node.pool_id]), gpu_model=gpu_models.get(a.pk, ""))
+                        pool_rate=Decimal(pool_rates[a.node.pool_id][0]), gpu_model=gpu_models.get(a.pk, ""),
+                        cpu_rate=pool_rates[a.node.pool_id][1], memory_rate=pool_rates[a.node.pool_id][2])
              for a in allocations]
     objects_insert(_priced_meters(bases, now=now))
     return len(allocations)
@@ -106,9 +111,15 @@ def meters_create(*, now: datetime, allocations: list[Allocation], gpu_models: d
 def _priced_meters(bases: list[PriceBasis], *, now: datetime) -> list[AllocationMeter]:
     """Unsaved meters of `bases` at the prices `current_rates` gives now."""
     rates = current_rates(bases)
-    return [AllocationMeter(allocation_id=b.allocation_id, rate_usd_per_gpu_hour=rates[b.allocation_id][0],
-                            rate_source=rates[b.allocation_id][1], spot=rates[b.allocation_id][2], fixed_at=now)
-            for b in bases]
+    meters = []
+    for b in bases:
+        rate, source, spot = rates[b.allocation_id]
+        # CPU and memory rates are fixed with the GPU rate: a later change never reprices a running job.
+        cpu_rate, memory_rate = resource_rates(b.cpu_rate, b.memory_rate, source)
+        meters.append(AllocationMeter(allocation_id=b.allocation_id, rate_usd_per_gpu_hour=rate, rate_source=source,
+                                      spot=spot, cpu_rate_usd_per_core_hour=cpu_rate,
+                                      memory_rate_usd_per_gib_hour=memory_rate, fixed_at=now))
+    return meters
 
 
 def utilisation_sample(*, now: datetime) -> int:
@@ -261,9 +272,28 @@ def budget_set(*, tenant: Tenant, monthly_budget_usd: Decimal | None) -> Quota:
     return quota
 
 
+def user_budgets_set(*, tenant: Tenant, budgets: dict[str, Decimal | None]) -> None:
+    """Set members' monthly budgets, by username (None clears one), all or none. A name that is not a member
+    of `tenant` raises BillingError (field `users`) in the same words whether or not such a user exists
+    elsewhere: another team's people are not revealed."""
+    members = {m.user.get_username(): m.user for m in Membership.objects.filter(
+        tenant=tenant, user__username__in=list(budgets)).select_related("user")}
+    unknown = sorted(set(budgets) - set(members))
+    if unknown:
+        raise BillingError(f"{unknown[0][:150]!r} is not a member of this team.", field="users")
+    with transaction.atomic():
+        for username, amount in sorted(budgets.items()):
+            if amount is None:
+                UserBudget.objects.filter(tenant=tenant, user=members[username]).delete()
+            else:
+                UserBudget.objects.update_or_create(tenant=tenant, user=members[username],
+                                                    defaults={"monthly_budget_usd": amount})
+
+
 def budget_alerts_raise(*, now: datetime) -> list[str]:
-    """An event (BudgetAlert, logged) the first time a team's month-to-date spend reaches 80% and 100%."""
-    from broker.billing.selectors import month_to_date_spend
+    """An event (BudgetAlert, logged) the first time a team's month-to-date spend reaches 80% and 100%, and
+    the first time a member's spend reaches 80% and 100% of their own budget (UserBudget)."""
+    from broker.billing.selectors import month_to_date_spend, month_to_date_spend_by_user
 
     raised = []
     month = month_of(now.date())
@@ -272,15 +302,34 @@ def budget_alerts_raise(*, now: datetime) -> list[str]:
         if budget <= 0:
             continue
         spent = month_to_date_spend(tenant=quota.tenant, now=now)
-        for threshold in BUDGET_THRESHOLDS:
-            if spent * 100 >= budget * threshold:
-                _, created = BudgetAlert.objects.get_or_create(
-                    tenant=quota.tenant, month=month, threshold_pct=threshold,
-                    defaults={"spent_usd": spent, "budget_usd": budget})
-                if created:
-                    log.warning("budget: %s has spent $%s of its $%s budget for %s (%d%%)",
-                                quota.tenant.slug, spent, budget, month, threshold)
-                    raised.append(f"{quota.tenant.slug}:{threshold}")
+        raised += _alerts_for(tenant=quota.tenant, user=None, month=month, spent=spent, budget=budget)
+    by_team: dict[int, list[UserBudget]] = defaultdict(list)
+    for row in UserBudget.objects.filter(monthly_budget_usd__gt=0).select_related("tenant", "user"):
+        by_team[row.tenant_id].append(row)
+    for rows in by_team.values():  # one spend read per team, not one per member
+        spent_by = month_to_date_spend_by_user(tenant=rows[0].tenant, now=now,
+                                               users=[row.user.get_username() for row in rows])
+        for row in rows:
+            raised += _alerts_for(tenant=row.tenant, user=row.user, month=month,
+                                  spent=spent_by[row.user.get_username()], budget=Decimal(row.monthly_budget_usd))
+    return raised
+
+
+def _alerts_for(*, tenant: Tenant, user, month: str, spent: Decimal, budget: Decimal) -> list[str]:
+    """The thresholds `spent` reached for the first time this month (user None: the team's budget)."""
+    raised = []
+    for threshold in BUDGET_THRESHOLDS:
+        if spent * 100 < budget * threshold:
+            continue
+        _, created = BudgetAlert.objects.get_or_create(
+            tenant=tenant, user=user, month=month, threshold_pct=threshold,
+            defaults={"spent_usd": spent, "budget_usd": budget})
+        if not created:
+            continue
+        who = tenant.slug if user is None else f"user {user.get_username()} of {tenant.slug}"
+        log.warning("budget: %s has spent $%s of its $%s budget for %s (%d%%)", who, spent, budget, month, threshold)
+        raised.append(f"{tenant.slug}:{threshold}" if user is None
+                      else f"{tenant.slug}/{user.get_username()}:{threshold}")
     return raised
 
 
@@ -297,7 +346,9 @@ class RebuildReport:
         return not (self.missing or self.differing or self.extra)
 
 
-COMPARED = ("tenant_id", "seconds", "gpu_seconds", "rate_usd_per_gpu_hour", "amount_usd", "day", "kind")
+COMPARED = ("tenant_id", "seconds", "gpu_seconds", "rate_usd_per_gpu_hour", "amount_usd", "day", "kind",
+            "cpu_core_seconds", "memory_gib_seconds", "cpu_rate_usd_per_core_hour", "memory_rate_usd_per_gib_hour",
+            "cpu_amount_usd", "memory_amount_usd")
 
 
 def rebuild(*, start: date | None = None, end: date | None = None, check_only: bool = True,

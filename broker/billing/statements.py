@@ -15,13 +15,15 @@ from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
 from broker.billing.metering import CENT, ROUNDING_RULE, month_of
-from broker.billing.models import IDLE, BillingMonth, UsageKind, UsageRecord
-from broker.billing.selectors import ZERO, consistent_read, live_lines
+from broker.billing.models import IDLE, BillingMonth, UsageKind, UsageRecord, UserBudget
+from broker.billing.selectors import ZERO, consistent_read, live_lines, month_to_date_spend_by_user
 from broker.tenancy.models import Quota, Tenant
 
 IDENTITY = ("kind", "allocation_id", "instance_id", "spot")
 ITEM_KEYS = ("kind", "allocation_id", "instance_id", "job_id", "job_name", "user", "gpu_model", "provider", "pool",
-             "region", "spot", "rate_usd_per_gpu_hour")
+             "region", "spot", "rate_usd_per_gpu_hour", "cpu_rate_usd_per_core_hour", "memory_rate_usd_per_gib_hour")
+# Summed over a line item's daily records (each amount already rounded once to the cent).
+SUMMED = ("gpu_seconds", "cpu_core_seconds", "memory_gib_seconds", "cpu_amount_usd", "memory_amount_usd")
 
 
 def _month_days(month: str):
@@ -33,7 +35,24 @@ def _month_days(month: str):
 
 def budget_status(*, tenant: Tenant, spent: Decimal) -> dict:
     quota = Quota.objects.filter(tenant=tenant).first()
-    budget = quota.monthly_budget_usd if quota is not None else None
+    return budget_figures(budget=quota.monthly_budget_usd if quota is not None else None, spent=spent)
+
+
+def user_budget_lines(*, tenant: Tenant, now: datetime, username: str | None = None) -> list[dict]:
+    """The team's per-user budgets with this month's spend of each ({user, monthly_budget_usd, spent_usd,
+    remaining_usd, used_pct, warning, exceeded}), by username; of `username` only when given."""
+    rows = UserBudget.objects.filter(tenant=tenant).select_related("user")
+    if username is not None:
+        rows = rows.filter(user__username=username)
+    budgets = {row.user.get_username(): row.monthly_budget_usd for row in rows}
+    if not budgets:
+        return []
+    spent = month_to_date_spend_by_user(tenant=tenant, now=now, users=list(budgets))
+    return [{"user": user, **budget_figures(budget=budgets[user], spent=spent[user])} for user in sorted(budgets)]
+
+
+def budget_figures(*, budget: Decimal | None, spent: Decimal) -> dict:
+    """A budget's figures: spent, remaining, share used, warning at 80%, exceeded at 100%."""
     if budget is None:
         return {"monthly_budget_usd": None, "spent_usd": str(spent), "remaining_usd": None, "used_pct": None,
                 "warning": False, "exceeded": False}
@@ -52,7 +71,7 @@ def statement_build(*, tenant: Tenant, month: str, stored_only: bool = False, no
         # the same on each of its records, so Max() just reads them (a GROUP BY on all twelve was 5x slower).
         rows = (UsageRecord.objects.filter(tenant=tenant, month=month).values(*IDENTITY)
                 .annotate(**{k: Max(k) for k in ITEM_KEYS if k not in IDENTITY},
-                          gpu_seconds=Sum("gpu_seconds"), amount=Sum("amount_usd"), first=Min("start"),
+                          **{k: Sum(k) for k in SUMMED}, amount=Sum("amount_usd"), first=Min("start"),
                           last=Max("end"), seconds=Sum("seconds"))
                 .order_by())
         for row in rows:
@@ -62,16 +81,17 @@ def statement_build(*, tenant: Tenant, month: str, stored_only: bool = False, no
         key = tuple(getattr(ln, k) for k in ITEM_KEYS)
         item = items.get(key)
         if item is None:
-            items[key] = {**{k: getattr(ln, k) for k in ITEM_KEYS}, "gpu_seconds": ln.gpu_seconds,
+            items[key] = {**{k: getattr(ln, k) for k in ITEM_KEYS + SUMMED},
                           "amount": ln.amount_usd, "first": ln.start, "last": ln.end, "seconds": ln.seconds}
         else:
-            item["gpu_seconds"] += ln.gpu_seconds
+            for k in SUMMED:
+                item[k] += getattr(ln, k)
             item["amount"] += ln.amount_usd
             item["first"] = min(item["first"], ln.start)
             item["last"] = max(item["last"], ln.end)
             item["seconds"] += ln.seconds
     lines = []
-    usage_total = idle_total = ZERO
+    usage_total = idle_total = cpu_total = memory_total = ZERO
     gpu_seconds_total = Decimal(0)
     for item in sorted(items.values(), key=lambda i: (i["kind"] == UsageKind.IDLE, i["first"],
                                                       i["allocation_id"] or 0, i["instance_id"] or 0)):
@@ -82,6 +102,9 @@ def statement_build(*, tenant: Tenant, month: str, stored_only: bool = False, no
         else:
             usage_total += amount
             gpu_seconds_total += Decimal(item["gpu_seconds"])
+        cpu_amount, memory_amount = (Decimal(item[k]).quantize(CENT) for k in ("cpu_amount_usd", "memory_amount_usd"))
+        cpu_total += cpu_amount
+        memory_total += memory_amount
         lines.append({
             "kind": item["kind"], "job": IDLE if idle else item["job_id"], "job_name": item["job_name"],
             "user": item["user"], "allocation": item["allocation_id"], "instance": item["instance_id"],
@@ -90,6 +113,14 @@ def statement_build(*, tenant: Tenant, month: str, stored_only: bool = False, no
             "end": item["last"].isoformat(), "seconds": item["seconds"],
             "gpu_hours": str((Decimal(item["gpu_seconds"]) / 3600).quantize(Decimal("0.0001"))),
             "rate_usd_per_gpu_hour": str(Decimal(item["rate_usd_per_gpu_hour"]).quantize(Decimal("0.0001"))),
+            # CPU and memory (owned pools that charge them: the job's request per node); amount_usd is the
+            # line's total, GPU + CPU + memory.
+            "cpu_core_hours": str((Decimal(item["cpu_core_seconds"]) / 3600).quantize(Decimal("0.0001"))),
+            "cpu_rate_usd_per_core_hour": _rate(item["cpu_rate_usd_per_core_hour"]),
+            "cpu_amount_usd": str(cpu_amount),
+            "memory_gib_hours": str((Decimal(item["memory_gib_seconds"]) / 3600).quantize(Decimal("0.0001"))),
+            "memory_rate_usd_per_gib_hour": _rate(item["memory_rate_usd_per_gib_hour"]),
+            "memory_amount_usd": str(memory_amount),
             "amount_usd": str(amount),
         })
     total = usage_total + idle_total
@@ -97,12 +128,17 @@ def statement_build(*, tenant: Tenant, month: str, stored_only: bool = False, no
         "team": tenant.slug, "month": month, "currency": "USD", "status": "open", "closed_at": None,
         "rounding": ROUNDING_RULE, "lines": lines,
         "totals": {"usage_usd": str(usage_total), "idle_usd": str(idle_total), "total_usd": str(total),
+                   "cpu_usd": str(cpu_total), "memory_usd": str(memory_total),
                    "gpu_hours": str((gpu_seconds_total / 3600).quantize(Decimal("0.0001"))),
                    "line_count": len(lines)},
     }
     if month == month_of(now.date()):
         statement["budget"] = budget_status(tenant=tenant, spent=total)
     return statement
+
+
+def _rate(value) -> str | None:
+    return None if value is None else str(Decimal(value).quantize(Decimal("0.000001")))
 
 
 def statement_get(*, tenant: Tenant, month: str, now: datetime | None = None) -> dict:

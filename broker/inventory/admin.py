@@ -30,8 +30,8 @@ class PoolGrantAdmin(admin.ModelAdmin):
 
 @admin.register(Pool)
 class PoolAdmin(admin.ModelAdmin):
-    list_display = ["name", "tenant", "kind", "region", "gpu_hour_rate_usd", "marginal_cost_usd_per_gpu_hour", "enabled",
-                    "join_token_prefix"]
+    list_display = ["name", "tenant", "kind", "region", "gpu_hour_rate_usd", "marginal_cost_usd_per_gpu_hour",
+                    "cpu_rate_usd_per_core_hour", "memory_rate_usd_per_gib_hour", "enabled", "join_token_prefix"]
     list_filter = ["kind", "tenant"]
     exclude = ["join_token_hash"]
     readonly_fields = ["join_token_prefix"]

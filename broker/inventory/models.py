@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
@@ -60,6 +61,16 @@ class Pool(models.Model):
         help_text="On-prem: what one more GPU-hour costs the platform (power); the scheduler prices owned "
                   "GPUs at this, not at the chargeback rate",
     )
+    # CPU and memory chargeback (owned pools only: a rented instance's price already covers its CPU and
+    # memory). Null = not charged, the default. Fixed per allocation when its price is (AllocationMeter).
+    cpu_rate_usd_per_core_hour = models.DecimalField(
+        max_digits=12, decimal_places=6, null=True, blank=True, validators=[MinValueValidator(0)],
+        help_text="Owned pools: $ per vCPU-hour a job requests (blank: CPU is not charged)",
+    )
+    memory_rate_usd_per_gib_hour = models.DecimalField(
+        max_digits=12, decimal_places=6, null=True, blank=True, validators=[MinValueValidator(0)],
+        help_text="Owned pools: $ per GiB-hour of memory a job requests (blank: memory is not charged)",
+    )
     join_token_prefix = models.CharField(max_length=16, blank=True)
     join_token_hash = models.CharField(max_length=64, blank=True)
     provider_config = models.JSONField(
@@ -78,6 +89,19 @@ class Pool(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant}/{self.name}"
+
+    def clean(self) -> None:
+        """CPU and memory rates only on owned pools: on a cloud pool the instance price covers them."""
+        super().clean()
+        if self.kind in (PoolKind.AWS, PoolKind.GCP):
+            errors = {name: f"On a cloud pool ({self.get_kind_display()}) the instance price already covers CPU "
+                            "and memory: CPU and memory rates apply to owned pools only."
+                      for name in RESOURCE_RATE_FIELDS if getattr(self, name) is not None}
+            if errors:
+                raise ValidationError(errors)
+
+
+RESOURCE_RATE_FIELDS = ("cpu_rate_usd_per_core_hour", "memory_rate_usd_per_gib_hour")
 
 
 class PoolGrant(models.Model):

@@ -78,3 +78,22 @@ def pool_unshare(*, pool: Pool, tenant: Tenant) -> None:
     deleted, _ = PoolGrant.objects.filter(pool=pool, tenant=tenant).delete()
     if not deleted:
         raise PoolShareError(f"{pool} is not shared with {tenant.slug}: nothing to revoke.")
+
+
+def pool_resource_rates_set(*, pool: Pool, rates: dict[str, str | None]) -> Pool:
+    """Set an owned pool's CPU and/or memory chargeback rates ({field: "0.02" or None to stop charging});
+    a field not named keeps its rate. Refuses (ValidationError, by field) a value that is not a
+    non-negative amount of at most 6 decimals, or any rate on a cloud pool. Only allocations whose price
+    is fixed from now on pay the new rate."""
+    from django.core.exceptions import ValidationError
+
+    from broker.inventory.models import RESOURCE_RATE_FIELDS
+
+    for name, raw in rates.items():
+        if name not in RESOURCE_RATE_FIELDS:
+            raise ValidationError({name: f"Unknown rate: use {' or '.join(RESOURCE_RATE_FIELDS)}."})
+        setattr(pool, name, None if raw in (None, "", "none") else raw)
+    pool.full_clean(exclude=[f.name for f in Pool._meta.fields if f.name not in RESOURCE_RATE_FIELDS])
+    pool.save(update_fields=list(rates))
+    pool.refresh_from_db(fields=list(rates))
+    return pool

@@ -15,6 +15,7 @@ import hashlib
 from django.db.models import Count, Max, Q
 from django.utils import timezone
 
+from broker.billing.models import UserBudget
 from broker.inventory.models import CloudInstance, Gpu, Node, OfferBlock, Pool, PoolGrant
 from broker.jobs.models import Allocation, Checkpoint, CheckpointState, Job, Migration
 from broker.jobs.states import TERMINAL_STATES
@@ -39,6 +40,9 @@ def cycle_inputs_digest(*, tenant_ids: list[int]) -> str:
             "tenant_id", "flavor", "nominal", "borrowing_limit", "lending_limit")),
         sorted(Quota.objects.filter(tenant_id__in=tenant_ids).values_list(
             "tenant_id", "max_gpus", "max_compute_units", "monthly_budget_usd")),
+        # Members' own budgets: one set, raised or cleared decides the queue again.
+        sorted(UserBudget.objects.filter(tenant_id__in=tenant_ids).values_list(
+            "tenant_id", "user_id", "monthly_budget_usd")),
         sorted(CloudInstance.objects.filter(pool__tenant_id__in=tenant_ids).values_list("state").annotate(
             n=Count("id"))),
         OfferBlock.objects.filter(pool__tenant_id__in=tenant_ids, until__gt=now).count(),

@@ -54,7 +54,7 @@ def _demand(tenant: str, pk: int, gpu_count: int, node_count: int, compute_units
             gpu_models: list[str], gpu_alternatives: dict[str, int] | None, spec: dict | None,
             min_gpu_memory_gb: int, interconnect: str, cpu_milli: int, memory_mb: int, spot: str,
             max_price_per_hour: Decimal | None, priority: int, preemptible: bool,
-            expected_duration_hours: float | None, created_at: datetime | None) -> sm.JobDemand:
+            expected_duration_hours: float | None, created_at: datetime | None, owner: str = "") -> sm.JobDemand:
     spec = spec or {}
     placement = spec.get("placement", {})
     return sm.JobDemand(
@@ -83,6 +83,7 @@ def _demand(tenant: str, pk: int, gpu_count: int, node_count: int, compute_units
         regions=tuple(placement.get("regions", ())),
         job_family=str(spec.get("env", {}).get("JOB_FAMILY", "")),
         submitted_at=_ts(created_at),
+        owner=owner,
     )
 
 
@@ -206,12 +207,17 @@ def component_snapshot(*, tenants: list[Tenant], seed: int = 0, now: datetime | 
         ))
 
     slug_of = {t.pk: t.slug for t in tenants}
-    pending = tuple(_demand(slug_of[tenant_id], *job) for tenant_id, *job in Job.objects.filter(
-        tenant_id__in=tenant_ids, state=JobState.PENDING).order_by("created_at", "id").values_list(
-            "tenant_id", *DEMAND_COLUMNS))
+    budgets = tuple(tenant_budget(tenant=tenant, now=now) for tenant in tenants)
+    # A job names its owner only when the owner has a budget of their own (sm.JobDemand.owner).
+    budgeted = {(b.tenant, o.owner) for b in budgets for o in b.owners}
+    pending = tuple(
+        _demand(slug_of[tenant_id], *job, owner=owner if (slug_of[tenant_id], owner) in budgeted else "")
+        for tenant_id, owner, *job in Job.objects.filter(
+            tenant_id__in=tenant_ids, state=JobState.PENDING).order_by("created_at", "id").values_list(
+            "tenant_id", "owner__username", *DEMAND_COLUMNS))
     return sm.Snapshot(
         now=now.timestamp(), nodes=tuple(nodes), pending=pending, running=tuple(running), offers=offers,
-        tenants=tuple(tenant_budget(tenant=tenant, now=now) for tenant in tenants),
+        tenants=budgets,
         gpu_models=tuple(sm.GpuModelInfo(m.name, float(m.compute_units), m.memory_gb * 1024)
                          for m in GpuModel.objects.all()),
         seed=seed, launch_limits=launch_limits,
@@ -253,4 +259,22 @@ def tenant_budget(*, tenant: Tenant, now: datetime) -> sm.TenantBudget:
         gpu_quota=float(quota.max_gpus) if quota and quota.max_gpus else None,
         cu_quota=float(quota.max_compute_units) if quota and quota.max_compute_units else None,
         gpus_in_use=slots / Gpu.SLOTS, cu_in_use=cu_slots / Gpu.SLOTS, remaining_budget=remaining,
+        owners=owner_budgets(tenant=tenant, now=now),
     )
+
+
+def owner_budgets(*, tenant: Tenant, now: datetime) -> tuple[sm.OwnerBudget, ...]:
+    """Members' own budgets and what is left of them: one query for the budgets and, when there are any,
+    one spend read for all of them (not one per job or per member)."""
+    # Imported here, as broker.scheduler.spend does: billing imports the scheduler's modules.
+    from broker.billing.models import UserBudget
+    from broker.billing.selectors import month_to_date_spend_by_user
+
+    budgets = {username: amount for username, amount in UserBudget.objects.filter(tenant=tenant).values_list(
+        "user__username", "monthly_budget_usd")}
+    if not budgets:
+        return ()
+    spent = month_to_date_spend_by_user(tenant=tenant, now=now, users=list(budgets))
+    return tuple(sm.OwnerBudget(owner=username, remaining_budget=max(0.0, float(amount - spent[username])),
+                                monthly_budget=float(amount))
+                 for username, amount in sorted(budgets.items()))

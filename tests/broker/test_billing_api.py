@@ -176,7 +176,8 @@ def test_a_quote_from_the_engine(acme):
     # Nothing can hold 64 GPUs on one node: no option, the engine's reason.
     spec["resources"] = {"gpus": 64}
     body = acme.client.post("/api/v1/quotes/", spec, format="json").json()
-    assert body["options"] == [] and body["unplaceable"] and body["unplaceable"][0]["code"]
+    assert body["options"] == [] and body["unplaceable"]
+    assert body["unplaceable"][0]["code"] == "INSUFFICIENT_GPUS"  # the code as the API writes codes elsewhere
 
 
 def test_the_beat_task_meters_and_is_recorded(acme, settings):

@@ -276,7 +276,8 @@ def test_the_week_through_the_api(clock, acme, globex):
     client = acme.client
     body = client.get("/api/v1/costs/?from=2026-11-02&to=2026-11-09&group_by=team").json()
     assert body["rows"] == [{"team": "acme", "gpu_hours": 40.0, "cost": "128.54", "idle_gpu_hours": 34.15,
-                             "idle_cost": "48.04", "avg_gpu_utilisation": None}]
+                             "idle_cost": "48.04", "cpu_cost": "0.00", "memory_cost": "0.00",
+                             "avg_gpu_utilisation": None}]
     days = client.get("/api/v1/costs/?from=2026-11-02&to=2026-11-09&group_by=day").json()["rows"]
     assert [(r["day"], r["cost"]) for r in days] == [
         ("2026-11-02", "10.00"), ("2026-11-03", "41.40"), ("2026-11-04", "69.33"), ("2026-11-05", "0.31"),
@@ -291,18 +292,20 @@ def test_the_week_through_the_api(clock, acme, globex):
     # A member sees only their own job's costs (J4), no idle.
     mine = acme.member_client.get("/api/v1/costs/?from=2026-11-02&to=2026-11-09&group_by=user").json()
     assert mine["rows"] == [{"user": "acme-member", "gpu_hours": 5.0, "cost": "10.00", "idle_gpu_hours": 0.0,
-                             "idle_cost": "0.00", "avg_gpu_utilisation": None}]
+                             "idle_cost": "0.00", "cpu_cost": "0.00", "memory_cost": "0.00",
+                             "avg_gpu_utilisation": None}]
     # CSV, both ways.
     csv_body = client.get("/api/v1/costs/?from=2026-11-02&to=2026-11-09&group_by=team&format=csv")
     assert csv_body["Content-Type"].startswith("text/csv")
     assert csv_body.content.decode().splitlines() == [
-        "team,gpu_hours,cost,idle_gpu_hours,idle_cost,avg_gpu_utilisation", "acme,40.0,128.54,34.15,48.04,"]
+        "team,gpu_hours,cost,idle_gpu_hours,idle_cost,cpu_cost,memory_cost,avg_gpu_utilisation",
+        "acme,40.0,128.54,34.15,48.04,0.00,0.00,"]
     accept = client.get("/api/v1/costs/?from=2026-11-02&to=2026-11-09", HTTP_ACCEPT="text/csv")
-    assert accept.content.decode().splitlines()[1] == "acme,40.0,128.54,34.15,48.04,"
+    assert accept.content.decode().splitlines()[1] == "acme,40.0,128.54,34.15,48.04,0.00,0.00,"
     # Globex sees its own team only.
     other = globex.client.get("/api/v1/costs/?from=2026-11-02&to=2026-11-09&group_by=team").json()["rows"]
     assert other == [{"team": "globex", "gpu_hours": 1.0, "cost": "0.00", "idle_gpu_hours": 0.0,
-                      "idle_cost": "0.00", "avg_gpu_utilisation": None}]
+                      "idle_cost": "0.00", "cpu_cost": "0.00", "memory_cost": "0.00", "avg_gpu_utilisation": None}]
 
     # November's statement (the month is still open on 2026-11-09).
     st = client.get("/api/v1/statements/2026-11/").json()
@@ -338,3 +341,43 @@ def test_savings_against_the_cheapest_on_demand_offer(clock, acme, globex, monke
     assert body["totals"] == {"cost_usd": "80.50", "idle_usd": "48.04", "compared_cost_usd": "38.50",
                               "on_demand_usd": "58.10", "saved_usd": "19.60"}
     assert acme.client.get("/api/v1/costs/savings/?from=x").status_code == 400
+
+
+def test_savings_price_each_day_at_that_days_cheapest_offer(clock, acme, globex, monkeypatch):
+    """The metering task records each day's cheapest on-demand prices; a later price change does not
+    reprice the past. J1 ran 4 GPU-h on Monday (A100-80GB then $4.10) and 3 on Tuesday ($2.00): 16.40 +
+    6.00 = 22.40 against its 17.50. Days with no record (Wednesday on) use today's offers ($1.00)."""
+    from broker.billing import savings
+    from broker.billing.models import OnDemandPrice
+
+    replay_week(clock, acme, globex)
+    for day, price in ((0, "4.10"), (1, "2.00")):
+        monkeypatch.setattr(savings, "cheapest_on_demand", lambda tenant, price=price: {
+            "A100-80GB": (Decimal(price), "aws us-east-1 p4de.24xlarge")})
+        assert savings.on_demand_prices_record(now=MONDAY + timedelta(days=day, hours=12)) == 2  # acme, globex
+        assert savings.on_demand_prices_record(now=MONDAY + timedelta(days=day, hours=13)) == 0  # once a day
+    monkeypatch.setattr(savings, "cheapest_on_demand", lambda tenant: {
+        "A100-80GB": (Decimal("1.00"), "gcp us-central1 a2-ultragpu-1g")})
+    body = acme.client.get("/api/v1/costs/savings/?from=2026-11-02&to=2026-11-09").json()
+    j1 = {j["job_name"]: j for j in body["jobs"]}["j1-onprem"]
+    assert (j1["on_demand_usd"], j1["cost_usd"], j1["saved_usd"]) == ("22.40", "17.50", "4.90")
+    j6 = {j["job_name"]: j for j in body["jobs"]}["j6-fraction"]  # Friday: no record, so today's $1
+    assert j6["on_demand_usd"] == "3.00"
+    assert OnDemandPrice.objects.filter(tenant=acme.tenant).count() == 2
+
+
+def test_a_team_whose_offers_cannot_be_read_is_recorded_later_and_others_now(clock, acme, globex, monkeypatch):
+    from broker.billing import savings
+    from broker.billing.models import OnDemandPrice
+
+    def offers(tenant):
+        if tenant.slug == "globex":
+            raise TypeError("a misconfigured pool")
+        return {"L4": (Decimal("0.80"), "gcp us-central1 g2")}
+
+    monkeypatch.setattr(savings, "cheapest_on_demand", offers)
+    assert savings.on_demand_prices_record() == 1
+    assert not OnDemandPrice.objects.filter(tenant=globex.tenant).exists()
+    monkeypatch.setattr(savings, "cheapest_on_demand", lambda tenant: {"L4": (Decimal("0.90"), "aws g6")})
+    assert savings.on_demand_prices_record() == 1  # globex now; acme keeps today's first price
+    assert OnDemandPrice.objects.get(tenant=acme.tenant).usd_per_gpu_hour == Decimal("0.80")

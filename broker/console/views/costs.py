@@ -21,7 +21,7 @@ from broker.billing.api import CSVRenderer, parse_cost_params
 from broker.billing.metering import month_of
 from broker.billing.selectors import GROUP_FIELDS, cost_report, month_to_date_spend
 from broker.billing.services import BillingError
-from broker.billing.statements import budget_status, statement_get, statements_list
+from broker.billing.statements import budget_status, statement_get, statements_list, user_budget_lines
 from broker.console.access import console_page
 
 DEFAULT_GROUP_BY = "gpu_model,provider,pool"
@@ -68,6 +68,9 @@ def costs(request: HttpRequest) -> HttpResponse:
                      "picked": params["group_by"].split(","), "scope": "team" if user is None else f"your jobs ({user})"}
     now = timezone.now()
     context["budget"] = budget_status(tenant=tenant, spent=month_to_date_spend(tenant=tenant, now=now))
+    # Per-user budgets: an admin sees every member's line, anyone else their own (as GET /api/v1/budget/).
+    context["user_budgets"] = user_budget_lines(
+        tenant=tenant, now=now, username=None if request.console.is_admin else request.user.get_username())
     context["month"] = month_of(now.date())
     if request.console.is_admin:
         context["statements"] = statements_list(tenant=tenant, now=now)

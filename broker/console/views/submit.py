@@ -164,7 +164,7 @@ def quote_fragment(request: HttpRequest) -> HttpResponse:
     if errors is not None:
         return fragment(400, errors=_labelled(errors, form))
     # The preview of a pasted file: how it was read, and what a submission would still refuse.
-    result = quote(tenant=request.console.tenant, validated=submission.validated)
+    result = quote(tenant=request.console.tenant, validated=submission.validated, user=request.user.get_username())
     return fragment(options=result["options"][:QUOTE_OPTIONS_SHOWN], more=max(0, len(result["options"]) -
                     QUOTE_OPTIONS_SHOWN), unplaceable=result["unplaceable"], job=result["job"],
                     spec_format=submission.format, warnings=submission.warnings, problems=submission.problems)
