@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from broker.billing.models import BillingMonth, BudgetAlert, ChargebackRate, UsageRecord
+from broker.billing.models import BillingMonth, BudgetAlert, ChargebackRate, OnDemandPrice, UsageRecord, UserBudget
 
 
 @admin.register(UsageRecord)
@@ -34,4 +34,24 @@ class BillingMonthAdmin(admin.ModelAdmin):
 
 @admin.register(BudgetAlert)
 class BudgetAlertAdmin(admin.ModelAdmin):
-    list_display = ["tenant", "month", "threshold_pct", "spent_usd", "budget_usd", "created_at"]
+    list_display = ["tenant", "user", "month", "threshold_pct", "spent_usd", "budget_usd", "created_at"]
+
+
+@admin.register(UserBudget)
+class UserBudgetAdmin(admin.ModelAdmin):
+    list_display = ["tenant", "user", "monthly_budget_usd", "updated_at"]
+    list_filter = ["tenant"]
+
+
+@admin.register(OnDemandPrice)
+class OnDemandPriceAdmin(admin.ModelAdmin):
+    """Read-only: the day's recorded prices are what the savings report compares against."""
+
+    list_display = ["tenant", "day", "gpu_model", "usd_per_gpu_hour", "offer"]
+    list_filter = ["tenant", "gpu_model"]
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_add_permission(self, request) -> bool:
+        return False
