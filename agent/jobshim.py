@@ -25,6 +25,12 @@ import os
 import signal
 import sys
 import time
+# os.execvp looks a bare command name up on PATH with os.get_exec_path, which imports `warnings` the
+# first time it runs. In the child that is after the drop to the job user, who may not be able to read
+# this interpreter's standard library (a Python under a closed home directory such as /root, 0700):
+# `python train.py` then failed to start with no reason given. Imported here, as the agent's user, it
+# is already loaded when the child needs it.
+import warnings  # noqa: F401
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 EXIT_ORPHANED = 125  # the agent died before the job could be started

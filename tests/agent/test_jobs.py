@@ -83,6 +83,18 @@ def test_shell_string_command_and_log_file(open_dir):
     assert (job.workdir / "job.log").read_text() == "hello from j1\n"
 
 
+def test_a_bare_command_name_is_found_on_path_as_the_job_user(open_dir):
+    """`python train.py`, not `/usr/bin/python3 train.py`: the lookup runs after the drop to the job user,
+    who may not read the agent's Python (under /root, 0700, on the test machines)."""
+    runner = JobRunner(open_dir, base_env={"PATH": "/usr/bin:/bin"})
+    job = runner.start(assignment(command=["sh", "-c", "echo ran as $(id -u)"]), node_id=None)
+    (exit_,) = wait_for(runner.poll, what="job exit")
+    assert (exit_.state, exit_.exit_code) == ("exited", 0), exit_.message
+    assert (job.workdir / "job.log").read_text() == f"ran as {runner.job_user.uid}\n"
+    with pytest.raises(JobStartError, match="cannot start 'no-such-program': No such file or directory"):
+        runner.start(assignment(id="a2", command=["no-such-program"]), node_id=None)
+
+
 def test_missing_program_cannot_start(open_dir):
     runner = JobRunner(open_dir, base_env={})
     with pytest.raises(JobStartError, match="cannot start '/no/such/program'"):
