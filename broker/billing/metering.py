@@ -239,12 +239,18 @@ def allocation_lines(alloc: Allocation, meter: AllocationMeter | None, *, until:
     return lines
 
 
+def requested_cores_gib(*, cpu_milli: int, memory_mb: int) -> tuple[Decimal, Decimal]:
+    """A job's CPU and memory request per node in the units their rates are per: vCPUs and GiB (exact)."""
+    return Decimal(cpu_milli) / 1000, Decimal(memory_mb) / 1024
+
+
 def _resource_parts(job, seconds: int, cpu_rate: Decimal | None, memory_rate: Decimal | None) -> dict:
     """A line's CPU and memory fields: the job's request per node for `seconds`, priced where a rate is set
     (quantities are recorded only where charged, so a pool without rates stores what it always did)."""
     parts: dict = {"cpu_rate_usd_per_core_hour": cpu_rate, "memory_rate_usd_per_gib_hour": memory_rate}
-    cpu = Decimal(job.cpu_milli * seconds) / 1000 if cpu_rate is not None else Decimal(0)
-    memory = Decimal(job.memory_mb * seconds) / 1024 if memory_rate is not None else Decimal(0)
+    cores, gib = requested_cores_gib(cpu_milli=job.cpu_milli, memory_mb=job.memory_mb)
+    cpu = cores * seconds if cpu_rate is not None else Decimal(0)
+    memory = gib * seconds if memory_rate is not None else Decimal(0)
     parts.update(cpu_core_seconds=cpu, memory_gib_seconds=memory,
                  cpu_amount_usd=money(cpu, cpu_rate) if cpu_rate is not None else Decimal("0.00"),
                  memory_amount_usd=money(memory, memory_rate) if memory_rate is not None else Decimal("0.00"))

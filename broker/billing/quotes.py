@@ -20,7 +20,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.utils import timezone
 
-from broker.billing.metering import CENT
+from broker.billing.metering import CENT, requested_cores_gib
 from broker.billing.models import ChargebackRate
 from broker.inventory.models import Node, PoolKind
 from broker.inventory.selectors import scheduling_component
@@ -65,11 +65,12 @@ def _owned_rate(node: Node, gpu_model: str) -> Decimal:
 def _resource_rate(pool, demand: sm.JobDemand) -> Decimal:
     """$ per hour of the job's CPUs and memory on an owned pool that charges them (billing meters the
     same per node: broker/billing/metering.py), 0 where the pool sets no rate."""
+    cores, gib = requested_cores_gib(cpu_milli=demand.cpu_milli, memory_mb=demand.memory_mb)
     hourly = Decimal(0)
     if pool.cpu_rate_usd_per_core_hour is not None:
-        hourly += Decimal(pool.cpu_rate_usd_per_core_hour) * Decimal(demand.cpu_milli) / 1000
+        hourly += Decimal(pool.cpu_rate_usd_per_core_hour) * cores
     if pool.memory_rate_usd_per_gib_hour is not None:
-        hourly += Decimal(pool.memory_rate_usd_per_gib_hour) * Decimal(demand.memory_mb) / 1024
+        hourly += Decimal(pool.memory_rate_usd_per_gib_hour) * gib
     return hourly * max(1, demand.nodes)
 
 

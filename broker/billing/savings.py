@@ -73,7 +73,7 @@ def savings_report(*, tenant: Tenant, start: date, end: date, user: str | None =
     now = now or timezone.now()
     held: dict[tuple, dict] = defaultdict(lambda: {"gs": Decimal(0), "cost": ZERO})
     with consistent_read():
-        for row in (_stored(tenant=tenant, start=start, end=end, user=user).filter(kind=UsageKind.USAGE)
+        for row in (_stored(tenants=[tenant], start=start, end=end, user=user).filter(kind=UsageKind.USAGE)
                     .values("job_id", "job_name", "gpu_model", "day")
                     .annotate(gs=Sum("gpu_seconds"), cost=Sum("amount_usd")).order_by()):
             item = held[(row["job_id"], row["job_name"], row["gpu_model"], row["day"])]
@@ -87,7 +87,7 @@ def savings_report(*, tenant: Tenant, start: date, end: date, user: str | None =
             item = held[(ln.job_id, ln.job_name, ln.gpu_model, ln.day)]
             item["gs"] += ln.gpu_seconds
             item["cost"] += ln.amount_usd
-        stored_idle = (_stored(tenant=tenant, start=start, end=end, user=user).filter(kind=UsageKind.IDLE)
+        stored_idle = (_stored(tenants=[tenant], start=start, end=end, user=user).filter(kind=UsageKind.IDLE)
                        .aggregate(total=Sum("amount_usd"))["total"])
         idle += Decimal(stored_idle or ZERO).quantize(CENT)
     recorded = _prices_by_day(tenant=tenant, start=start, end=end)

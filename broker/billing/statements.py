@@ -15,8 +15,8 @@ from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
 from broker.billing.metering import CENT, ROUNDING_RULE, month_of
-from broker.billing.models import IDLE, BillingMonth, UsageKind, UsageRecord, UserBudget
-from broker.billing.selectors import ZERO, consistent_read, live_lines, month_to_date_spend_by_user
+from broker.billing.models import IDLE, BillingMonth, UsageKind, UsageRecord
+from broker.billing.selectors import ZERO, consistent_read, live_lines, user_budgets_spent
 from broker.tenancy.models import Quota, Tenant
 
 IDENTITY = ("kind", "allocation_id", "instance_id", "spot")
@@ -41,14 +41,8 @@ def budget_status(*, tenant: Tenant, spent: Decimal) -> dict:
 def user_budget_lines(*, tenant: Tenant, now: datetime, username: str | None = None) -> list[dict]:
     """The team's per-user budgets with this month's spend of each ({user, monthly_budget_usd, spent_usd,
     remaining_usd, used_pct, warning, exceeded}), by username; of `username` only when given."""
-    rows = UserBudget.objects.filter(tenant=tenant).select_related("user")
-    if username is not None:
-        rows = rows.filter(user__username=username)
-    budgets = {row.user.get_username(): row.monthly_budget_usd for row in rows}
-    if not budgets:
-        return []
-    spent = month_to_date_spend_by_user(tenant=tenant, now=now, users=list(budgets))
-    return [{"user": user, **budget_figures(budget=budgets[user], spent=spent[user])} for user in sorted(budgets)]
+    return [{"user": user, **budget_figures(budget=budget, spent=spent)}
+            for user, budget, spent in user_budgets_spent(tenant=tenant, now=now, username=username)]
 
 
 def budget_figures(*, budget: Decimal | None, spent: Decimal) -> dict:

@@ -267,14 +267,8 @@ def owner_budgets(*, tenant: Tenant, now: datetime) -> tuple[sm.OwnerBudget, ...
     """Members' own budgets and what is left of them: one query for the budgets and, when there are any,
     one spend read for all of them (not one per job or per member)."""
     # Imported here, as broker.scheduler.spend does: billing imports the scheduler's modules.
-    from broker.billing.models import UserBudget
-    from broker.billing.selectors import month_to_date_spend_by_user
+    from broker.billing.selectors import user_budgets_spent
 
-    budgets = {username: amount for username, amount in UserBudget.objects.filter(tenant=tenant).values_list(
-        "user__username", "monthly_budget_usd")}
-    if not budgets:
-        return ()
-    spent = month_to_date_spend_by_user(tenant=tenant, now=now, users=list(budgets))
-    return tuple(sm.OwnerBudget(owner=username, remaining_budget=max(0.0, float(amount - spent[username])),
-                                monthly_budget=float(amount))
-                 for username, amount in sorted(budgets.items()))
+    return tuple(sm.OwnerBudget(owner=username, remaining_budget=max(0.0, float(budget - spent)),
+                                monthly_budget=float(budget))
+                 for username, budget, spent in user_budgets_spent(tenant=tenant, now=now))
