@@ -124,11 +124,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _probe(_probe_parser().parse_args(args[1:]))
     if args[:1] == ["run"]:
         args = args[1:]
+    kubernetes = args[:1] == ["kubernetes"]  # the Kubernetes bridge (agent/kube/)
     if argv is None:  # a real agent process: drop the token from environ and cmdline (jointoken.py)
         try:
             reexec_without_token(args)
         except JoinTokenError as err:
             return _fail(str(err), EXIT_USAGE)
+    if kubernetes:
+        from agent.kube.cli import main as bridge_main  # needs the kubernetes client, which agents do not
+
+        return bridge_main(args[1:])
     return _run(_run_parser().parse_args(args))
 
 

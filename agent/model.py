@@ -104,9 +104,14 @@ class GpuReading:
     lost: bool  # fell off the bus / NVML_ERROR_GPU_IS_LOST
     health: Health
     health_reasons: tuple[str, ...] = field(default_factory=tuple)
+    # Taken by work the broker did not place (the Kubernetes bridge: other pods' GPU requests).
+    held_outside: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return _jsonable(asdict(self))
+        data = _jsonable(asdict(self))
+        if not self.held_outside:  # only when set: a broker from before the field refuses unknown keys
+            data.pop("held_outside")
+        return data
 
 
 def _jsonable(value: Any) -> Any:

@@ -371,6 +371,7 @@ class ReasonCode(str, Enum):
     SOLVER_LIMIT = "SOLVER_LIMIT"  # the cycle ran out of time before considering the job
     NODE_SELECTOR = "NODE_SELECTOR"  # no node carries the labels the job's node selector asks for
     NO_CONTAINER_RUNTIME = "NO_CONTAINER_RUNTIME"  # an image job, and no fit has a container runtime
+    NO_GPU_SHARING = "NO_GPU_SHARING"  # a share of a GPU, and the nodes hand out whole GPUs only (Kubernetes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,6 +483,7 @@ DEFAULT_FILTERS: tuple[str, ...] = (
     "provider_region",
     "node_selector",
     "container_runtime",
+    "gpu_sharing",
     "gpu_model",
     "gpu_memory",
     "gpu_count",

@@ -80,6 +80,15 @@ def _container_runtime(job: JobDemand, part: PartDemand, target: Target, ctx: Fi
     return not job.needs_container or bool(target.node.container_runtimes)
 
 
+# A node whose GPUs are handed out whole by someone else (a Kubernetes device plugin) carries this label:
+# a share placed there would take a whole GPU behind the broker's back.
+WHOLE_GPUS_LABEL = ("whalezen.io/gpu-sharing", "none")
+
+
+def _gpu_sharing(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    return not job.is_fractional or target.node.labels.get(WHOLE_GPUS_LABEL[0]) != WHOLE_GPUS_LABEL[1]
+
+
 def _gpu_model(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
     if part.gpus == 0 or not part.allowed_models:
         return True
@@ -201,6 +210,8 @@ FILTERS: dict[str, FilterPlugin] = {plugin.name: plugin for plugin in (
     FilterPlugin("container_runtime", ReasonCode.NO_CONTAINER_RUNTIME, _container_runtime,
                  lambda job, n: f"{n} have no container runtime (podman, docker or apptainer) for the "
                                 "job's image"),
+    FilterPlugin("gpu_sharing", ReasonCode.NO_GPU_SHARING, _gpu_sharing,
+                 lambda job, n: f"{n} hand out whole GPUs only (Kubernetes), not {job.gpu_milli / 1000:g} of one"),
     FilterPlugin("gpu_model", ReasonCode.NO_GPU_MODEL, _gpu_model,
                  lambda job, n: f"{n} have no {'|'.join(job.allowed_models)} GPU"),
     FilterPlugin("gpu_memory", ReasonCode.INSUFFICIENT_GPU_MEMORY, _gpu_memory,

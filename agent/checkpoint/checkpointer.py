@@ -42,6 +42,10 @@ from agent.checkpoint.storage import Storage, open_storage, write_atomic
 # equal). Not imported: agent.jobs pulls in the agent's process machinery, which a job needs none of.
 REQUEST_FILE_NAME = "whalezen-checkpoint-request.json"
 NOTICE_FILE_NAME = "whalezen-checkpoint-written.json"
+# Where no agent shares the job's file system (a Kubernetes Pod: agent/kube/), the notice is also printed
+# as one line of the job's output, which the bridge reads through the Pod's log.
+NOTICE_LOG_ENV = "WHALEZEN_CHECKPOINT_NOTICE_LOG"
+NOTICE_LOG_PREFIX = "WHALEZEN_CHECKPOINT_WRITTEN "
 DEFAULT_DATA_NAME = "data"
 
 Sources = Mapping[str, Path | str] | Iterable[Path | str] | Path | str
@@ -100,6 +104,7 @@ class Checkpointer:
         self.epoch = int(epoch) if epoch and epoch.lstrip("-").isdigit() else None
         work_dir = env.get("WHALEZEN_WORK_DIR")
         self.work_dir = Path(work_dir) if work_dir else None
+        self.notice_to_log = env.get(NOTICE_LOG_ENV) == "1"
         request_file = env.get("WHALEZEN_CHECKPOINT_REQUEST_FILE")
         self.request_file = Path(request_file) if request_file else (
             self.work_dir / REQUEST_FILE_NAME if self.work_dir else None)
@@ -245,7 +250,10 @@ class Checkpointer:
             # same work dir from answering the same request twice.
             "last_answered_request_id": result.request_id or self._last_answered_in_notice(),
         }
-        write_atomic(path, (json.dumps(notice, sort_keys=True) + "\n").encode())
+        line = json.dumps(notice, sort_keys=True)
+        write_atomic(path, (line + "\n").encode())
+        if self.notice_to_log:
+            print(NOTICE_LOG_PREFIX + line, flush=True)
         return path
 
     def _read_notice(self) -> dict[str, Any]:

@@ -26,8 +26,9 @@ MAX_NVLINKS = 32  # NVML_NVLINK_MAX_LINKS is 18 (Hopper, Blackwell)
 # room for 16-GPU nodes and bounds what one node stores and every node-list read loads.
 MAX_TOPOLOGY_BYTES = 128 * 1024
 JOB_ISOLATION = ["separate-user", "shared-user"]
-# What the agent can run a job's image with (agent/runtimes.py RUNTIME_NAMES).
-CONTAINER_RUNTIMES = ["podman", "docker", "apptainer", "singularity"]
+# What the agent can run a job's image with (agent/runtimes.py RUNTIME_NAMES), and a Kubernetes node's
+# kubelet (the bridge, agent/kube/: every job there runs in an image).
+CONTAINER_RUNTIMES = ["podman", "docker", "apptainer", "singularity", "kubernetes"]
 # "PIX", "CHIPSET_NOT_SUPPORTED", and the agent's fallbacks "LEVEL_<n>" / "STATUS_<n>" for values
 # a newer NVML may return.
 _TOPOLOGY_WORD = re.compile(r"[A-Z0-9_]{1,32}")
@@ -274,6 +275,8 @@ class ReadingSerializer(PrebuiltFieldsMixin, StrictSerializer):
     lost = StrictBooleanField(required=False)
     health = _choice(["HEALTHY", "DEGRADED", "FAILED"])
     health_reasons = serializers.ListField(child=StrictCharField(max_length=500), required=False, max_length=32)
+    # The GPU is taken by work the broker did not place (a Kubernetes node's other pods): not free.
+    held_outside = StrictBooleanField(required=False)
 
 
 class ProcessSerializer(PrebuiltFieldsMixin, StrictSerializer):

@@ -344,6 +344,7 @@ _READING_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("power_w", lambda r: r.get("power_w")),
     ("ecc_errors", lambda r: r.get("ecc_uncorrected") or 0),
     ("health", lambda r: r["health"]),
+    ("held_outside", lambda r: bool(r.get("held_outside"))),
 )
 _MIG_MODES = {"enabled": True, "disabled": False}
 

@@ -35,7 +35,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Iterable, NamedTuple
 
 from broker.billing.models import IDLE, AllocationMeter, ChargebackRate, UsageKind
-from broker.inventory.models import CloudInstance, Gpu, PoolKind
+from broker.inventory.models import OWNED_POOL_KINDS, CloudInstance, Gpu
 from broker.jobs.models import Allocation
 
 CENT = Decimal("0.01")
@@ -316,4 +316,4 @@ def instance_idle_lines(instance: CloudInstance, *, until: datetime, tenant_id: 
 
 
 def rented(pool) -> bool:
-    return pool.kind != PoolKind.ONPREM
+    return pool.kind not in OWNED_POOL_KINDS

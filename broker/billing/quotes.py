@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from broker.billing.metering import CENT, requested_cores_gib
 from broker.billing.models import ChargebackRate
-from broker.inventory.models import Node, PoolKind
+from broker.inventory.models import OWNED_POOL_KINDS, Node
 from broker.inventory.selectors import scheduling_component
 from broker.jobs.models import Job
 from broker.provisioning.offers import cloud_offers, pool_launch_limits
@@ -129,8 +129,8 @@ def _option(*, placement: sm.Placement, plan: sm.Plan, demand: sm.JobDemand, pri
         pool = node.pool if node else None
         where = {"kind": "node", "provider": pool.kind if pool else "", "pool": pool.name if pool else "",
                  "region": pool.region if pool else "", "node": node.name if node else placement.node_id,
-                 "owned": bool(pool and pool.kind == PoolKind.ONPREM)}
-        if node is not None and pool.kind == PoolKind.ONPREM:
+                 "owned": bool(pool and pool.kind in OWNED_POOL_KINDS)}
+        if node is not None and pool.kind in OWNED_POOL_KINDS:
             hourly = _owned_rate(node, model) * share + _resource_rate(pool, demand)
         else:
             hourly = Decimal(str(placement.price_per_hour))

@@ -37,6 +37,12 @@ class PoolKind(models.TextChoices):
     AWS = "aws", "AWS"
     GCP = "gcp", "GCP"
     LOCAL = "local", "Local simulator"
+    KUBERNETES = "kubernetes", "Kubernetes cluster"
+
+
+# Capacity the platform owns (billed at internal rates, counted against owned-GPU quotas); the other kinds
+# are rented by the hour. A Kubernetes pool is an existing cluster of the platform's (agent/kube/).
+OWNED_POOL_KINDS = (PoolKind.ONPREM, PoolKind.KUBERNETES)
 
 
 class Pool(models.Model):
@@ -200,6 +206,9 @@ class Gpu(models.Model):
     temperature_c = models.SmallIntegerField(null=True, blank=True)
     power_w = models.FloatField(null=True, blank=True)
     ecc_errors = models.PositiveIntegerField(default=0)
+    # Taken by work the broker did not place: on a Kubernetes node, the GPU requests of pods that are not
+    # WhaleZen's (its bridge reports how many). The scheduler counts such a GPU as fully used.
+    held_outside = models.BooleanField(default=False)
     last_seen_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -21,12 +21,18 @@ def pool_join_token_issue(*, pool: Pool) -> str:
 
 
 def gpu_model_resolve(name: str) -> GpuModel | None:
-    """Match a driver-reported or user-written name to a catalogue model (name or alias, any case)."""
-    wanted = name.strip().lower()
+    """Match a driver-reported or user-written name to a catalogue model (name or alias, any case, hyphens
+    and spaces alike: GPU Feature Discovery labels a node `NVIDIA-H100-80GB-HBM3` for NVML's
+    `NVIDIA H100 80GB HBM3`)."""
+    wanted = _spelling(name)
     for model in GpuModel.objects.all():
-        if wanted == model.name.lower() or wanted in (a.lower() for a in model.aliases or []):
+        if wanted == _spelling(model.name) or wanted in (_spelling(a) for a in model.aliases or []):
             return model
     return None
+
+
+def _spelling(name: str) -> str:
+    return "-".join(name.strip().lower().replace("_", " ").replace("-", " ").split())
 
 
 def node_create_simulated(*, pool: Pool, name: str, gpu_model: GpuModel, gpu_count: int,

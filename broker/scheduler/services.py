@@ -25,7 +25,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from broker.inventory.models import Gpu, Node, PoolKind
+from broker.inventory.models import OWNED_POOL_KINDS, Gpu, Node
 from broker.inventory.selectors import pool_team_ids, scheduling_component, scheduling_components
 from broker.jobs.checkpoints import committed_checkpoint
 from broker.jobs.batch import JobRef, pending_reasons_set, placements_commit
@@ -433,7 +433,7 @@ def _json_safe(value):
 
 def _running_on_rented(tenant_filter: Q) -> Q:
     return tenant_filter & Q(state=JobState.RUNNING, allocations__active=True) & ~Q(
-        allocations__node__pool__kind=PoolKind.ONPREM)
+        allocations__node__pool__kind__in=OWNED_POOL_KINDS)
 
 
 def _cycle_wanted(*, tenants: list[Tenant], policy: sm.Policy, rules: MoveRules = MOVE_RULES) -> bool:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from broker.inventory.models import Gpu, GpuHealth, GpuModel, Node, NodeState, Pool, PoolKind
+from broker.inventory.models import Gpu, GpuHealth, GpuModel, Node, NodeState, Pool, OWNED_POOL_KINDS
 from broker.inventory.selectors import pool_teams, scheduling_component
 from broker.jobs.models import Allocation, AllocationSlice, Checkpoint, CheckpointState, Job
 from broker.jobs.selectors import tenant_held_share
@@ -38,7 +38,7 @@ def _price_per_gpu_hour(pool) -> float:
     """What the engine counts for a GPU-hour on a node of `pool`: owned capacity at its marginal cost
     to the platform (the chargeback rate is what teams are billed, not money the platform spends), a
     rented instance at what the pool says (its instances are paid for by the hour, used or not)."""
-    if pool.kind == PoolKind.ONPREM:
+    if pool.kind in OWNED_POOL_KINDS:
         return float(pool.marginal_cost_usd_per_gpu_hour)
     return float(pool.gpu_hour_rate_usd)
 
@@ -101,13 +101,16 @@ class GpuRow(NamedTuple):
     memory_mb: int
     nvlink_island: int | None
     health: str
+    held_outside: bool
 
 
-GPU_COLUMNS = ("pk", "index", "uuid", Coalesce("model__name", "model_name"), "memory_mb", "nvlink_island", "health")
+GPU_COLUMNS = ("pk", "index", "uuid", Coalesce("model__name", "model_name"), "memory_mb", "nvlink_island", "health",
+               "held_outside")
 
 
 def _gpu_state(gpu: GpuRow, slots_used: int) -> sm.GpuState:
-    milli_used = min(1000, slots_used * MILLI_PER_SLOT)
+    # A GPU that work outside the broker holds is used whole (no slot of the broker's says so).
+    milli_used = 1000 if gpu.held_outside else min(1000, slots_used * MILLI_PER_SLOT)
     return sm.GpuState(
         index=gpu.index, uuid=gpu.uuid or f"gpu-{gpu.pk}", model=gpu.model, memory_mb=gpu.memory_mb,
         free_memory_mb=gpu.memory_mb - (gpu.memory_mb * milli_used) // 1000,
@@ -178,7 +181,7 @@ def component_snapshot(*, tenants: list[Tenant], seed: int = 0, now: datetime | 
             state="ready" if state == NodeState.ONLINE and pool.enabled else state.lower(),
             price_per_gpu_hour=_price_per_gpu_hour(pool),
             fast_fabric=fabric in FAST_FABRICS,
-            rented=pool.kind != PoolKind.ONPREM,
+            rented=pool.kind not in OWNED_POOL_KINDS,
             tenants=teams_of_pool.get(pool_id, (pool.tenant.slug,)),
             container_runtimes=tuple(container_runtimes or ()),
         ))

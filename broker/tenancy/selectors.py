@@ -13,14 +13,14 @@ from broker.tenancy.models import CU_FLAVOR, FairShareUsage, TeamQuota, Tenant
 def owned_holdings(*, tenant_ids: Sequence[int]) -> dict[tuple[int, str], float]:
     """GPUs (per model) and compute units ("CU") the teams' active jobs hold now on owned nodes: what
     fair share counts (rented capacity is paid for, not shared)."""
-    from broker.inventory.models import Gpu, PoolKind
+    from broker.inventory.models import OWNED_POOL_KINDS, Gpu
     from broker.jobs.models import AllocationSlice
     from broker.jobs.states import ACTIVE_STATES
 
     held: dict[tuple[int, str], float] = defaultdict(float)
     rows = (AllocationSlice.objects.filter(active=True, allocation__job__tenant_id__in=list(tenant_ids),
                                            allocation__job__state__in=ACTIVE_STATES,
-                                           gpu__node__pool__kind=PoolKind.ONPREM)
+                                           gpu__node__pool__kind__in=OWNED_POOL_KINDS)
             .values("allocation__job__tenant_id", "gpu__model__name", "gpu__model_name")
             .annotate(slots=Count("id"), cu=Sum("gpu__model__compute_units")))
     for row in rows:

@@ -297,10 +297,10 @@ def fair_share_usage_sweep(*, now: datetime | None = None) -> int:
     something is pending, and a team whose jobs ran for days with nothing pending would otherwise be
     charged (or not) for those days all at once with whatever it holds at the next cycle. Periodic
     (the scheduler's sweep); returns how many teams were updated."""
-    from broker.inventory.models import PoolKind
+    from broker.inventory.models import OWNED_POOL_KINDS
     from broker.jobs.models import AllocationSlice
 
-    holding = AllocationSlice.objects.filter(active=True, gpu__node__pool__kind=PoolKind.ONPREM).values(
+    holding = AllocationSlice.objects.filter(active=True, gpu__node__pool__kind__in=OWNED_POOL_KINDS).values(
         "allocation__job__tenant_id")
     with_rows = FairShareUsage.objects.values("tenant_id")
     tenants = list(Tenant.objects.filter(Q(pk__in=holding) | Q(pk__in=with_rows)).order_by("pk"))

@@ -42,11 +42,12 @@ def test_registration_stores_the_runtimes_and_a_later_one_replaces_them(acme, jo
 
 
 @pytest.mark.parametrize("value, fragment", [
-    (["kubernetes"], "Must be one of: podman, docker, apptainer, singularity."),
+    (["containerd"], "Must be one of: podman, docker, apptainer, singularity, kubernetes."),
     (["docker", "docker"], "Each runtime may appear once."),
     ("docker", 'Expected a list of items but got type "str".'),
     ([None], "This field may not be null."),
-    (["docker", "podman", "apptainer", "singularity", "docker"], "Ensure this field has no more than 4 elements."),
+    (["docker", "podman", "apptainer", "singularity", "kubernetes", "docker"],
+     "Ensure this field has no more than 5 elements."),
 ])
 def test_a_bad_runtime_list_is_refused_by_field(acme, join_token, value, fragment):
     resp = register({**register_body(join_token), "container_runtimes": value})

@@ -1,0 +1,98 @@
+"""The Kubernetes bridge's pure parts: GPU nodes from GFD labels, free GPUs with others' pods, the Pod spec."""
+from __future__ import annotations
+
+import base64
+
+from agent.jobs import Assignment
+from agent.kube.inventory import foreign_gpus_by_node, gpu_node, pod_gpu_request, quantity_bytes
+from agent.kube.pods import CHECKPOINT_ANNOTATION, env_secret, pod_manifest, pod_name
+
+
+def node(name="gpu-a", *, gpus="8", product="NVIDIA-H100-80GB-HBM3", ready="True", unschedulable=False, **labels):
+    return {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": f"{name}.dc1", "nvidia.com/gpu.product": product,
+                                                   "nvidia.com/gpu.memory": "81559", **labels}},
+            "spec": {"unschedulable": unschedulable,
+                     "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
+            "status": {"allocatable": {"nvidia.com/gpu": gpus, "cpu": "95500m", "memory": "1056Gi"},
+                       "conditions": [{"type": "Ready", "status": ready}]}}
+
+
+def pod(name, node_name, gpus, *, phase="Running", ours=False, init_gpus=None):
+    spec = {"nodeName": node_name, "containers": [{"name": "a", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}
+    if init_gpus is not None:
+        spec["initContainers"] = [{"name": "i", "resources": {"requests": {"nvidia.com/gpu": str(init_gpus)}}}]
+    labels = {"whalezen.io/broker": "wz"} if ours else {}
+    return {"metadata": {"name": name, "labels": labels}, "spec": spec, "status": {"phase": phase}}
+
+
+def test_a_gpu_node_is_read_from_the_device_plugin_and_gfd_labels():
+    n = gpu_node(node())
+    assert (n.name, n.hostname, n.gpu_count, n.product, n.memory_mib) == ("gpu-a", "gpu-a.dc1", 8, "NVIDIA-H100-80GB-HBM3",
+                                                                          81559)
+    assert (n.cpu_milli, n.memory_mb, n.ready, n.schedulable) == (95500, 1056 * 1024, True, True)
+    assert n.taints == ({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},)
+    assert gpu_node(node(gpus="0")) is None and gpu_node({"metadata": {"name": "cpu"}, "status": {}}) is None
+    assert not gpu_node(node(ready="False")).ready and not gpu_node(node(unschedulable=True)).schedulable
+    assert quantity_bytes("64G") == 64 * 10**9 and quantity_bytes("junk") == 0
+
+
+def test_free_gpus_count_every_unfinished_pod_that_is_not_ours():
+    pods = [pod("theirs", "gpu-a", 2), pod("done", "gpu-a", 4, phase="Succeeded"), pod("mine", "gpu-a", 4, ours=True),
+            pod("pending-bound", "gpu-b", 1, phase="Pending"), pod("unbound", "", 3, phase="Pending"),
+            pod("init-heavy", "gpu-b", 1, init_gpus=3)]
+    assert foreign_gpus_by_node(pods, "wz") == {"gpu-a": 2, "gpu-b": 1 + 3}
+    # Another broker's pods are someone else's too.
+    assert foreign_gpus_by_node(pods, "other-broker") == {"gpu-a": 6, "gpu-b": 4}
+    assert pod_gpu_request(pod("x", "n", 0)) == 0
+
+
+def assignment(**extra) -> Assignment:
+    raw = {"id": "17", "job_id": "5", "epoch": 3, "gpu_indices": [0, 1], "command": ["python", "train.py"],
+           "env": {"LR": "0.1", "CUDA_VISIBLE_DEVICES": "7", "API_KEY": "s3cret"}, "image": "nvcr.io/nvidia/pytorch:24.01-py3",
+           "checkpoint_uri": "s3://ckpt/5", "restore_from": ""}
+    raw.update(extra)
+    return Assignment.from_json(raw)
+
+
+def test_the_pod_is_pinned_by_affinity_asks_for_whole_gpus_and_keeps_secrets_out_of_its_spec():
+    a = assignment()
+    manifest = pod_manifest(a, node=gpu_node(node()), namespace="ml", broker_id="wz", node_id="42",
+                            default_image="python:3.11-slim", tolerations=[{"key": "dedicated", "operator": "Exists"}])
+    spec, container = manifest["spec"], manifest["spec"]["containers"][0]
+    assert manifest["metadata"]["name"] == pod_name(a) == "wz-5-17" and manifest["metadata"]["namespace"] == "ml"
+    assert manifest["metadata"]["labels"]["whalezen.io/broker"] == "wz"
+    assert manifest["metadata"]["labels"]["whalezen.io/job"] == "5"
+    assert "nodeName" not in spec  # kube-scheduler still binds it
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-a.dc1"]},
+        {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]}]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "2"}, "requests": {"nvidia.com/gpu": "2"}}
+    assert container["image"] == "nvcr.io/nvidia/pytorch:24.01-py3" and container["command"] == ["python", "train.py"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert {"key": "dedicated", "operator": "Exists"} in spec["tolerations"]
+    assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    assert "s3cret" not in repr(manifest) and "env" not in container
+    assert container["envFrom"] == [{"secretRef": {"name": "wz-5-17"}}]
+    assert manifest["metadata"]["annotations"] == {CHECKPOINT_ANNOTATION: ""}
+
+    secret = env_secret(a, namespace="ml", broker_id="wz", node_id="42",
+                        owner={"metadata": {"name": "wz-5-17", "uid": "u-1"}})
+    env = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert env["API_KEY"] == "s3cret" and env["LR"] == "0.1" and env["WHALEZEN_JOB_ID"] == "5"
+    assert env["WHALEZEN_CHECKPOINT_URI"] == "s3://ckpt/5" and env["WHALEZEN_RESTORE_FROM"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in env  # the device plugin says which GPUs; the job cannot pick others
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u-1"  # deleted with its Pod
+
+
+def test_a_shell_command_and_a_job_without_an_image():
+    a = assignment(command="echo hi && sleep 1", image=None)
+    manifest = pod_manifest(a, node=gpu_node(node(product="")), namespace="ml", broker_id="wz", node_id=None,
+                            default_image="python:3.11-slim")
+    container = manifest["spec"]["containers"][0]
+    assert container["command"] == ["/bin/sh", "-c", "echo hi && sleep 1"]
+    assert container["image"] == "python:3.11-slim"
+    terms = manifest["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert [e["key"] for e in terms["nodeSelectorTerms"][0]["matchExpressions"]] == ["kubernetes.io/hostname"]
+    long = assignment(id="9" * 80)
+    assert len(pod_name(long)) <= 63 and pod_name(long) != pod_name(assignment(id="9" * 81))
