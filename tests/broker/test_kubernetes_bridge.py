@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from .test_agent_api import API, agent_client, register_body
 from .test_api_tenancy import submit
 from .test_checkpoints import root, verify_queue  # noqa: F401  (fixtures)
 
+REPO = Path(__file__).resolve().parents[2]
 NS = "ml"
 IMAGE = "nvcr.io/nvidia/pytorch:24.01-py3"
 SECRETS = references.resource(group="", version="v1", plural="secrets")
@@ -362,3 +367,51 @@ def test_a_node_that_is_not_ready_takes_no_jobs_and_a_pulled_image_failure_or_a_
     waiting = submit(acme, resources={"gpus": 1}, image=IMAGE)
     scheduling_cycle_run(tenant=acme.tenant)
     assert state_of(waiting) == JobState.PENDING and waiting.pending_reason_code == "NODE_NOT_READY"
+
+
+def test_the_bridge_process_registers_stops_cleanly_on_sigterm_and_refuses_a_bad_token(
+        live_server, acme, kube_pool, emulated_cluster, tmp_path):
+    pool, token = kube_pool
+    emulated_cluster.add_node("h100-a", gpus=8)
+    kubeconfig = emulated_cluster.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
+    token_file = tmp_path / "join-token"
+    token_file.write_text(token + "\n")
+    state = tmp_path / "state"
+
+    def bridge_argv(join_token_file: Path, state_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "agent", "kubernetes", "--server", live_server.url, "--join-token-file",
+                str(join_token_file), "--kubeconfig", "env:WZ_TEST_KUBECONFIG", "--namespace", NS,
+                "--bridge-id", "acme-k8s", "--state-dir", str(state_dir), "--refresh-seconds", "1"]
+
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "WZ_TEST_KUBECONFIG": str(kubeconfig)}
+    process = subprocess.Popen(bridge_argv(token_file, state), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        # Wait on the bridge's own files, not the database (the server's threads use it meanwhile).
+        wait_for(lambda: (state / "nodes" / "h100-a" / "identity.json").exists(), what="the node to register")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read()
+    assert "Traceback" not in output and "emulated-token" not in output  # the kubeconfig's secrets never logged
+    node = Node.objects.get(pool=pool, name="h100-a")
+    assert node.gpus.count() == 8 and node.container_runtimes == ["kubernetes"]
+
+    bad = tmp_path / "bad-token"
+    bad.write_text("wzj_nope_nope\n")
+    refused = subprocess.run(bridge_argv(bad, tmp_path / "other-state"), cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 4, refused.stderr
+    assert "registration refused" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def wait_for(until, *, what: str, limit_s: float = 30.0):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = until()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"gave up waiting for {what}")
