@@ -120,11 +120,16 @@ class Cluster:
             raise
 
     def create_secret(self, manifest: Mapping[str, Any]) -> None:
+        self._create(self.core.create_namespaced_secret, manifest)
+
+    def create_service(self, manifest: Mapping[str, Any]) -> None:
+        self._create(self.core.create_namespaced_service, manifest)
+
+    def _create(self, create: Any, manifest: Mapping[str, Any]) -> None:
         from kubernetes.client import ApiException
 
         try:
-            self.core.create_namespaced_secret(self.namespace, manifest, _preload_content=False,
-                                               _request_timeout=REQUEST_TIMEOUT_S)
+            create(self.namespace, manifest, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
         except ApiException as err:
             if err.status != 409:  # made by an earlier try of this same start
                 raise

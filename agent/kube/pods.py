@@ -13,12 +13,14 @@ the Pod with the Pod as its owner, so Kubernetes deletes it with the Pod.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.checkpoint.checkpointer import NOTICE_LOG_ENV
+from agent.gang import Gang
 from agent.jobs import CHECKPOINT_REQUEST_FILE, RESERVED_ENV, Assignment
 from agent.kube.inventory import (ASSIGNMENT_LABEL, BROKER_LABEL, GPU_RESOURCE, HOSTNAME_LABEL, JOB_LABEL,
                                   PRODUCT_LABEL, GpuNode)
@@ -46,7 +48,7 @@ def pod_name(assignment: Assignment) -> str:
     return name
 
 
-def job_env(assignment: Assignment, *, node_id: str | None) -> dict[str, str]:
+def job_env(assignment: Assignment, *, node_id: str | None, namespace: str) -> dict[str, str]:
     """The job's variables: its own, then what the agent sets on any node (the job's ids, checkpoint
     and restore locations, its gang). No CUDA_VISIBLE_DEVICES: the device plugin sets the GPUs."""
     env = {k: v for k, v in assignment.env.items() if k not in RESERVED_ENV}
@@ -65,9 +67,52 @@ def job_env(assignment: Assignment, *, node_id: str | None) -> dict[str, str]:
         env["WHALEZEN_CHECKPOINT_URI"] = assignment.checkpoint_uri
     if assignment.restore_from is not None:
         env["WHALEZEN_RESTORE_FROM"] = assignment.restore_from
-    if assignment.gang is not None:
-        env.update(assignment.gang.environment())
+    gang = pod_gang(assignment, namespace=namespace)
+    if gang is not None:
+        env.update(gang.environment())
     return env
+
+
+def gang_service_name(assignment: Assignment) -> str:
+    return re.sub(r"[^a-z0-9-]", "-", f"wz-{assignment.job_id}".lower())[:63].strip("-")
+
+
+def gang_hostname(assignment: Assignment, rank: int) -> str:
+    return f"{gang_service_name(assignment)[:55]}-r{rank}"
+
+
+def pod_gang(assignment: Assignment, *, namespace: str) -> Gang | None:
+    """The assignment's gang with its peers' addresses as Kubernetes sees them. A Pod's address is not
+    known before it runs, and the broker's node addresses are the bridge's: so each rank's Pod gets a stable
+    DNS name, `<hostname>.<headless service>.<namespace>.svc`, which MASTER_ADDR and WHALEZEN_NODE_IPS carry."""
+    gang = assignment.gang
+    if gang is None:
+        return None
+    if gang.size == 1:  # a gang of one rendezvous with itself: inside its Pod, not at the bridge's address
+        return dataclasses.replace(gang, addresses=("127.0.0.1",))
+    service = gang_service_name(assignment)
+    return dataclasses.replace(gang, addresses=tuple(f"{gang_hostname(assignment, rank)}.{service}.{namespace}.svc"
+                                                     for rank in range(gang.size)))
+
+
+def gang_service(assignment: Assignment, *, namespace: str, broker_id: str,
+                 owner: Mapping[str, Any]) -> dict[str, Any] | None:
+    """For a multi-node job, the headless Service that gives its Pods their DNS names (made by rank 0,
+    owned by its Pod, so it goes with it); None for a job of one node."""
+    gang = assignment.gang
+    if gang is None or gang.size <= 1 or gang.rank != 0:
+        return None
+    metadata = owner.get("metadata") or {}
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": gang_service_name(assignment), "namespace": namespace,
+                     "labels": labels_of(assignment, broker_id),
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": metadata.get("name"),
+                                          "uid": metadata.get("uid") or "", "blockOwnerDeletion": False}]},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,  # peers resolve before they are Ready
+                 "selector": {JOB_LABEL: _label_value(assignment.job_id)},
+                 "ports": [{"name": "rendezvous", "port": gang.master_port}]},
+    }
 
 
 def _container_command(assignment: Assignment) -> dict[str, Any]:
@@ -105,12 +150,16 @@ def pod_manifest(assignment: Assignment, *, node: GpuNode, namespace: str, broke
         "terminationMessagePath": f"{WORK_DIR}/{NOTICE_FILE}",
         "terminationMessagePolicy": "File",
     }
+    gang = assignment.gang
+    peers = {"hostname": gang_hostname(assignment, gang.rank), "subdomain": gang_service_name(assignment)} \
+        if gang is not None and gang.size > 1 else {}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace, "labels": labels_of(assignment, broker_id),
                      "annotations": {CHECKPOINT_ANNOTATION: ""}},
         "spec": {
+            **peers,
             "restartPolicy": "Never",  # a failed job is the broker's to retry elsewhere, not the kubelet's
             "containers": [container],
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
@@ -133,7 +182,7 @@ def env_secret(assignment: Assignment, *, namespace: str, broker_id: str, node_i
                owner: Mapping[str, Any]) -> dict[str, Any]:
     """The Secret holding the job's environment, owned by its Pod (`owner`: the created Pod)."""
     metadata = owner.get("metadata") or {}
-    env = job_env(assignment, node_id=node_id)
+    env = job_env(assignment, node_id=node_id, namespace=namespace)
     return {
         "apiVersion": "v1",
         "kind": "Secret",

@@ -26,7 +26,8 @@ from typing import Any
 from agent.jobs import Assignment, JobExit, JobStartError
 from agent.kube.cluster import Cluster, PodWatch
 from agent.kube.inventory import GpuNode
-from agent.kube.pods import CHECKPOINT_ANNOTATION, CONTAINER_NAME, env_secret, pod_manifest, pod_name
+from agent.kube.pods import (CHECKPOINT_ANNOTATION, CONTAINER_NAME, env_secret, gang_service, pod_manifest,
+                             pod_name)
 from agent.checkpoint.checkpointer import NOTICE_LOG_PREFIX
 from agent.notices import NOTICE_FILE
 
@@ -103,6 +104,10 @@ class PodRunner:
             # The device plugin hands out whole GPUs only: a share would take a whole one behind the
             # broker's back. (The broker does not place shares here; this guards an older broker.)
             raise JobStartError("a Kubernetes node runs whole-GPU jobs only (the device plugin has no GPU shares)")
+        if assignment.files:
+            # Copying them needs the agent's fetch step inside the Pod (an init container): not built yet.
+            raise JobStartError("a Kubernetes node cannot copy a job's files yet (spec.files); put them in the "
+                                "image or fetch them in the job's command")
         node = self.node()
         manifest = pod_manifest(assignment, node=node, namespace=self.cluster.namespace,
                                 broker_id=self.cluster.config.broker_id, node_id=node_id,
@@ -114,13 +119,17 @@ class PodRunner:
                 raise JobStartError(f"Kubernetes refused the Pod: {err.status} {err.reason}: {_status_message(err)}") \
                     from None
             created = self.cluster.read_pod(manifest["metadata"]["name"]) or manifest  # an earlier try made it
+        namespace, broker_id = self.cluster.namespace, self.cluster.config.broker_id
+        service = gang_service(assignment, namespace=namespace, broker_id=broker_id, owner=created)
         try:
-            self.cluster.create_secret(env_secret(assignment, namespace=self.cluster.namespace,
-                                                  broker_id=self.cluster.config.broker_id, node_id=node_id,
-                                                  owner=created))
+            self.cluster.create_secret(env_secret(assignment, namespace=namespace, broker_id=broker_id,
+                                                  node_id=node_id, owner=created))
+            if service is not None:
+                self.cluster.create_service(service)
         except ApiException as err:
             self.cluster.delete_pod(manifest["metadata"]["name"], grace_seconds=0)
-            raise JobStartError(f"Kubernetes refused the job's env Secret: {err.status} {err.reason}") from None
+            raise JobStartError(f"Kubernetes refused the job's env Secret or peer Service: {err.status} "
+                                f"{err.reason}") from None
         self.watch.put(created)
         job = PodJob(assignment, manifest["metadata"]["name"], self._clock())
         self._running[assignment.id] = job

@@ -5,7 +5,7 @@ import base64
 
 from agent.jobs import Assignment
 from agent.kube.inventory import foreign_gpus_by_node, gpu_node, pod_gpu_request, quantity_bytes
-from agent.kube.pods import CHECKPOINT_ANNOTATION, env_secret, pod_manifest, pod_name
+from agent.kube.pods import CHECKPOINT_ANNOTATION, env_secret, gang_service, job_env, pod_manifest, pod_name
 
 
 def node(name="gpu-a", *, gpus="8", product="NVIDIA-H100-80GB-HBM3", ready="True", unschedulable=False, **labels):
@@ -96,3 +96,25 @@ def test_a_shell_command_and_a_job_without_an_image():
     assert [e["key"] for e in terms["nodeSelectorTerms"][0]["matchExpressions"]] == ["kubernetes.io/hostname"]
     long = assignment(id="9" * 80)
     assert len(pod_name(long)) <= 63 and pod_name(long) != pod_name(assignment(id="9" * 81))
+
+
+def test_a_multi_node_job_gets_stable_dns_names_for_its_peers_and_rank_0_a_headless_service():
+    gang = {"rank": 1, "node_addresses": ["10.0.0.1", "10.0.0.2"], "gpus_per_node": 8, "master_port": 29500}
+    rank1 = assignment(gang=gang)
+    manifest = pod_manifest(rank1, node=gpu_node(node()), namespace="ml", broker_id="wz", node_id="42",
+                            default_image="python:3.11-slim")
+    assert (manifest["spec"]["hostname"], manifest["spec"]["subdomain"]) == ("wz-5-r1", "wz-5")
+    env = job_env(rank1, node_id="42", namespace="ml")
+    # The bridge's address is no Pod's: the peers are the Pods' DNS names under the job's headless Service.
+    assert env["MASTER_ADDR"] == "wz-5-r0.wz-5.ml.svc"
+    assert env["WHALEZEN_NODE_IPS"] == "wz-5-r0.wz-5.ml.svc\nwz-5-r1.wz-5.ml.svc"
+    assert env["WHALEZEN_NODE_RANK"] == "1" and env["MASTER_PORT"] == "29500"
+    assert gang_service(rank1, namespace="ml", broker_id="wz", owner={"metadata": {"name": "p"}}) is None
+    rank0 = assignment(gang={**gang, "rank": 0})
+    service = gang_service(rank0, namespace="ml", broker_id="wz", owner={"metadata": {"name": "wz-5-17", "uid": "u"}})
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"whalezen.io/job": "5"}
+    assert service["metadata"]["ownerReferences"][0]["uid"] == "u"
+    single = assignment(gang={**gang, "rank": 0, "node_addresses": ["10.0.0.1"]})
+    assert "hostname" not in pod_manifest(single, node=gpu_node(node()), namespace="ml", broker_id="wz",
+                                          node_id=None, default_image="x")["spec"]
+    assert job_env(single, node_id=None, namespace="ml")["MASTER_ADDR"] == "127.0.0.1"  # its own Pod
