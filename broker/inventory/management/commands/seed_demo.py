@@ -28,6 +28,7 @@ from broker.inventory.gpu_catalog import DEFAULT_GPU_MODELS, compute_units_for
 from broker.inventory.models import GpuModel, Pool, PoolGrant, PoolKind
 from broker.inventory.services import node_create_simulated
 from broker.ops.demo_agents import DEMO_NODES_KEY, fake_spec
+from broker.ops.demo_kube import demo_cluster_config
 from broker.tenancy import tokens
 from broker.tenancy.models import ApiToken, Quota, Role, TeamQuota, Tenant
 from broker.tenancy.services import api_token_create, membership_add
@@ -209,6 +210,13 @@ class Command(BaseCommand):
                 lines.append(f"TOKEN {slug} {secrets[slug]}")
             if os.environ.get("WHALEZEN_DEMO_SHARED", "0") == "1":
                 lines += seed_shared_demo(models, password=password, saved=saved, secrets=secrets)
+            if os.environ.get("WHALEZEN_DEMO_KUBERNETES", "0") == "1":
+                # acme's simulated Kubernetes cluster, which serve starts with its bridge (broker/ops/demo_kube.py).
+                pool, _ = Pool.objects.get_or_create(tenant=Tenant.objects.get(slug="acme"), name="k8s-demo",
+                                                     defaults={"kind": PoolKind.KUBERNETES, "region": "dc1",
+                                                               "gpu_hour_rate_usd": Decimal("1.50")})
+                pool.provider_config = demo_cluster_config(pool_name=pool.name)
+                pool.save(update_fields=["provider_config"])
             _save_tokens(secrets)
         _open_demo_checkpoint_root()
         for line in lines:

@@ -28,6 +28,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from broker.ops.demo_agents import start_demo_agents, stop_demo_agents, stop_simulated_cloud
+from broker.ops.demo_kube import demo_kube_children
 from broker.ops.services import local_instances_recover
 from broker.ops.web import web_command
 from broker.ops.supervisor import Backoff, ChildSpec, Supervisor, signal_on_parent_death, stop_leftovers
@@ -94,6 +95,9 @@ class Command(BaseCommand):
             # launched some before failing.
             demo = stop_demo_agents(log=lambda message: None, reason="service stopped")
             self.say(f"{stopped} simulated instance(s) and {demo} demo agent(s) stopped")
+            # The demo Kubernetes bridge before its cluster, so its Pods' processes stop with the cluster.
+            supervisor.stop([n for n in supervisor.children if n.startswith("kube-bridge")], grace_s=grace)
+            supervisor.stop([n for n in supervisor.children if n.startswith("kube-cluster")], grace_s=grace)
             supervisor.stop(["web"], grace_s=grace)
             self.say("stopped")
             lock.close()
@@ -114,6 +118,9 @@ class Command(BaseCommand):
             specs.append(ChildSpec("beat", celery + ["beat", "--loglevel", "INFO", "--pidfile=",
                                                      "-s", str(Path(settings.VAR_DIR) / "celerybeat-schedule")],
                                    env, log_dir / "beat.log", cwd=root))
+        if not options["no_agents"]:  # the opt-in demo Kubernetes cluster and its bridge (broker/ops/demo_kube.py)
+            specs += [ChildSpec(name, argv, env, log_dir / f"{name}.log", cwd=root)
+                      for name, argv in demo_kube_children(server_url=url, python=python)]
         return specs
 
     def _stop_with_make(self) -> None:
