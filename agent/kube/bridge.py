@@ -30,6 +30,7 @@ from agent.kube.cluster import Cluster, ClusterConfig, PodWatch
 from agent.kube.inventory import (ASSIGNMENT_LABEL, GpuNode, foreign_gpus_by_node, gpu_node, is_ours,
                                   selector_matches)
 from agent.kube.runner import PodRunner
+from agent.kube.telemetry import DcgmReading, dcgm_by_node
 from agent.loop import Agent, AgentConfig, RegistrationRefused
 from agent.model import GpuInfo, GpuReading, Health, MigMode, NodeInventory
 from agent.state import JobRecord
@@ -51,6 +52,7 @@ class NodeView:
 
     node: GpuNode
     held_outside: int = 0  # GPUs other pods hold on it
+    telemetry: tuple[DcgmReading, ...] = ()  # from the site's Prometheus, in the exporter's GPU order
 
 
 class KubeNodeBackend(GpuBackend):
@@ -89,13 +91,18 @@ class KubeNodeBackend(GpuBackend):
         busy = self.busy()
         free = [i for i in range(node.gpu_count) if i not in busy]
         outside = set(sorted(free, reverse=True)[:self.view.held_outside])
-        return tuple(GpuReading(
-            index=i, uuid=None, utilization_pct=None, memory_utilization_pct=None, memory_used_mb=None,
-            memory_total_mb=node.memory_mib, temperature_c=None, power_w=None, power_limit_w=None, ecc_corrected=None,
-            ecc_uncorrected=None, retired_pages=None, remapped_rows_pending=None, remapped_rows_failed=None,
-            xid_errors=(), mig_mode=MigMode.UNSUPPORTED, lost=False,
-            health=Health.FAILED if problems else Health.HEALTHY, health_reasons=tuple(problems),
-            held_outside=i in outside) for i in range(node.gpu_count))
+        return tuple(self._reading(i, node, problems, held_outside=i in outside) for i in range(node.gpu_count))
+
+    def _reading(self, index: int, node: GpuNode, problems: list[str], *, held_outside: bool) -> GpuReading:
+        dcgm = self.view.telemetry[index] if index < len(self.view.telemetry) else DcgmReading()
+        health, reasons = (Health.FAILED, tuple(problems)) if problems else dcgm.health
+        return GpuReading(
+            index=index, uuid=None, utilization_pct=dcgm.utilization_pct, memory_utilization_pct=None,
+            memory_used_mb=dcgm.memory_used_mb, memory_total_mb=node.memory_mib, temperature_c=dcgm.temperature_c,
+            power_w=dcgm.power_w, power_limit_w=None, ecc_corrected=None, ecc_uncorrected=None, retired_pages=None,
+            remapped_rows_pending=None, remapped_rows_failed=None, xid_errors=(dcgm.xid,) if dcgm.xid else (),
+            mig_mode=MigMode.UNSUPPORTED, lost=False, health=health, health_reasons=reasons,
+            held_outside=held_outside)
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,7 @@ class BridgeConfig:
     heartbeat_seconds: float | None = None
     stop_grace_s: float = 30.0
     name_prefix: str = ""  # node names in the pool: PREFIX + the Kubernetes node's name
+    prometheus_url: str | None = None  # the site's Prometheus with dcgm-exporter's series (agent/kube/telemetry.py)
     http_timeout_s: float = 10.0
     tick_seconds: float = 0.5
 
@@ -278,6 +286,7 @@ class Bridge:
         self.last_refresh_error = None
         nodes = [n for n in nodes if selector_matches(n.labels, self.config.node_selector)]
         held = foreign_gpus_by_node(pods, self.cluster.config.broker_id)
+        telemetry = self._telemetry()
         for node in nodes:
             view = self.views.get(node.name)
             if view is None:
@@ -286,12 +295,24 @@ class Bridge:
                 log.info("GPU node %s: %d x %s", node.name, node.gpu_count, node.product or "(no product label)")
             view.node = node
             view.held_outside = min(node.gpu_count, held.get(node.name, 0))
+            if telemetry is not None:
+                view.telemetry = telemetry.get(node.name, ())
         gone = set(self.views) - {n.name for n in nodes}
         for name in gone:
             log.warning("node %s is gone from the cluster (or lost its GPUs): its agent stops", name)
             self.agents.pop(name).shutdown()
             self.views.pop(name)
         self._reconcile(pods)
+
+    def _telemetry(self) -> dict[str, tuple[DcgmReading, ...]] | None:
+        """The nodes' GPU readings from Prometheus; None (keep the last ones) when it is off or cannot answer."""
+        if not self.config.prometheus_url:
+            return None
+        try:
+            return dcgm_by_node(self.config.prometheus_url)
+        except (OSError, ValueError) as err:
+            log.warning("GPU telemetry from Prometheus at %s: %s", self.config.prometheus_url, err)
+            return None
 
     def _agent_for(self, view: NodeView) -> KubeAgent:
         name = f"{self.config.name_prefix}{view.node.name}"

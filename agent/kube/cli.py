@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the value of the whalezen.io/broker label on this bridge's Pods; one bridge per cluster "
                    "and namespace uses one ID (default %(default)s)")
     p.add_argument("--name-prefix", default="", help="the pool's node names: PREFIX + the Kubernetes node name")
+    p.add_argument("--prometheus-url", default=os.environ.get("WHALEZEN_PROMETHEUS_URL") or None, metavar="URL",
+                   help="the site's Prometheus, which scrapes dcgm-exporter: the nodes' GPU readings and Xid health "
+                   "come from its series (env WHALEZEN_PROMETHEUS_URL; default: none, GPUs report no readings)")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="node tokens and job records (default: ~/.local/state/whalezen-kube/<context>)")
     p.add_argument("--refresh-seconds", type=float, default=15.0, help="how often nodes and pods are listed again")
@@ -110,7 +113,8 @@ def main(args: Sequence[str]) -> int:
     config = BridgeConfig(server_url=opts.server, join_token=join_token, cluster=cluster, state_dir=state_dir,
                           default_image=opts.default_image, node_selector=selector, tolerations=tolerations,
                           refresh_seconds=opts.refresh_seconds, heartbeat_seconds=opts.heartbeat_seconds,
-                          stop_grace_s=opts.stop_grace_seconds, name_prefix=opts.name_prefix)
+                          stop_grace_s=opts.stop_grace_seconds, name_prefix=opts.name_prefix,
+                          prometheus_url=opts.prometheus_url)
     try:
         bridge = Bridge(config)
     except KubeConfigError as err:

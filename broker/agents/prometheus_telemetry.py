@@ -13,17 +13,14 @@ is an operator's call (or the node's own agent's), as a reset GPU reports no Xid
 """
 from __future__ import annotations
 
-import json
 import logging
 import urllib.error
-import urllib.parse
-import urllib.request
-from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
 
 from agent.health import DEGRADING_XIDS, FATAL_XIDS
+from agent.promql import instant_query
 from broker.inventory.models import Gpu, GpuHealth
 
 log = logging.getLogger(__name__)
@@ -42,21 +39,11 @@ def prometheus_url() -> str:
     return str(getattr(settings, "WHALEZEN_PROMETHEUS_URL", "") or "").rstrip("/")
 
 
-def _query(base_url: str, promql: str, timeout_s: float) -> list[dict[str, Any]]:
-    url = f"{base_url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        body = json.loads(resp.read(8 * 1024 * 1024))
-    if not isinstance(body, dict) or body.get("status") != "success":
-        raise ValueError(f"Prometheus answered {str(body)[:200]}")
-    result = body.get("data", {}).get("result", [])
-    return result if isinstance(result, list) else []
-
-
 def readings_by_uuid(base_url: str, *, timeout_s: float = 5.0) -> dict[str, dict[str, float]]:
     """UUID -> {our field: value} from the latest value of each dcgm-exporter series."""
     found: dict[str, dict[str, float]] = {}
     for series, field in SERIES.items():
-        for row in _query(base_url, series, timeout_s):
+        for row in instant_query(base_url, series, timeout_s):
             uuid = str((row.get("metric") or {}).get("UUID") or "")[:MAX_UUID]
             try:
                 value = float(row["value"][1])

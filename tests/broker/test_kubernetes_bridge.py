@@ -19,9 +19,11 @@ import pytest
 from rest_framework.test import APIClient
 
 from agent.kube.bridge import Bridge, BridgeConfig
+from agent.backends.fake import FakeBackend
 from agent.checkpoint import Checkpointer
 from agent.kube.cluster import ClusterConfig
 from agent.kube.pods import CHECKPOINT_ANNOTATION
+from agent.metrics import GpuCollector, MetricsServer
 from broker.jobs import checkpoints
 from broker.jobs.models import Checkpoint
 from broker.jobs.services import GpuRequest, allocation_commit
@@ -34,6 +36,7 @@ from tests.kube_emulator import PODS, references  # its fixtures (emulated_clust
 from .test_agent_api import API, agent_client, register_body
 from .test_api_tenancy import submit
 from .test_checkpoints import root, verify_queue  # noqa: F401  (fixtures)
+from .test_prometheus_scrape import running_prometheus, wait_for_series
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "ml"
@@ -415,3 +418,40 @@ def wait_for(until, *, what: str, limit_s: float = 30.0):
             return value
         time.sleep(0.1)
     raise AssertionError(f"gave up waiting for {what}")
+
+
+def test_gpu_readings_and_xid_health_come_from_the_sites_prometheus(live_server, acme, kube_pool, emulated_cluster,
+                                                                     tmp_path, bridges):
+    """The cluster's dcgm-exporter (here: our exporter's same names, on fake GPUs, labelled with the node's name)
+    scraped by a real Prometheus; the bridge reads the series and the broker's GPUs of the node take them."""
+    pool, token = kube_pool
+    emulated_cluster.add_node("h100-a", gpus=4)
+    exporter_gpus = FakeBackend("4xH100-80GB-SXM", hostname="h100-a")
+    exporter_gpus.start()
+    collector = GpuCollector("h100-a", exporter_gpus.inventory().gpus)
+    collector.update(exporter_gpus.sample())
+    exporter = MetricsServer(collector, "127.0.0.1", 0)
+    try:
+        with running_prometheus(tmp_path, f"""
+  - job_name: dcgm
+    static_configs: [{{targets: ["127.0.0.1:{exporter.port}"]}}]
+""") as prometheus:
+            wait_for_series(prometheus, 'DCGM_FI_DEV_GPU_UTIL{Hostname="h100-a"}', 4)
+            bridge = make_bridge(live_server.url, emulated_cluster, token, tmp_path)
+            bridge.config.prometheus_url = prometheus
+            bridges.append(bridge)
+            pump(bridge, lambda: Gpu.objects.filter(node__pool=pool, utilization_pct__isnull=False,
+                                                    temperature_c__isnull=False).count() == 4,
+                 what="the GPUs' readings from Prometheus")
+
+            exporter_gpus.inject_xid(2, 48)  # a double-bit ECC error: fatal
+            collector.update(exporter_gpus.sample())
+            wait_for_series(prometheus, 'DCGM_FI_DEV_XID_ERRORS{Hostname="h100-a"} == 48', 1)
+            failed = pump(bridge, lambda: list(Gpu.objects.filter(node__pool=pool, health="FAILED")),
+                          what="the Xid to take one GPU out")
+            assert len(failed) == 1
+            whole_node = submit(acme, resources={"gpus": 4}, image=IMAGE)
+            scheduling_cycle_run(tenant=acme.tenant)
+            assert state_of(whole_node) == JobState.PENDING  # 3 healthy GPUs left on the node
+    finally:
+        exporter.stop()
