@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 RUNTIME_NAME = "kubernetes"  # what the node reports as its container runtime: image jobs may come here
 SHARING_LABEL = ("whalezen.io/gpu-sharing", "none")  # scheduling/plugins.py WHOLE_GPUS_LABEL
+VISIBILITY_LABEL = "whalezen.io/pod-visibility"
 # The node labels passed on to the broker (jobs' node selectors can ask for them); the rest stay in the cluster.
 FORWARDED_LABELS = ("nvidia.com/gpu.product", "nvidia.com/gpu.memory", "nvidia.com/gpu.count",
                     "nvidia.com/gpu.family", "nvidia.com/mig.strategy", "kubernetes.io/hostname",
@@ -322,7 +323,9 @@ class Bridge:
                            stop_grace_s=self.config.stop_grace_s)
         backend = KubeNodeBackend(view, runner.busy_gpus, context=self.config.cluster.context or "default")
         labels = {k: v for k, v in view.node.labels.items() if k in FORWARDED_LABELS}
-        labels.update({SHARING_LABEL[0]: SHARING_LABEL[1], "whalezen.io/kubernetes-node": view.node.name[:63]})
+        labels.update({SHARING_LABEL[0]: SHARING_LABEL[1], "whalezen.io/kubernetes-node": view.node.name[:63],
+                       # What an admin sees on the node (its labels): whether other namespaces' pods are counted.
+                       VISIBILITY_LABEL: "all-namespaces" if self.cluster.sees_all_pods else "namespace-only"})
         config = AgentConfig(
             server_url=self.config.server_url, join_token=self.config.join_token, name=name, state_dir=state_dir,
             heartbeat_seconds=self.config.heartbeat_seconds, labels=labels, job_user="self",

@@ -78,6 +78,7 @@ class Cluster:
         self.api_client = client or api_client(config)
         self.core = kube_client.CoreV1Api(self.api_client)
         self.pod_visibility = "all namespaces"  # or a sentence saying what cannot be seen (403)
+        self.sees_all_pods = True
 
     @property
     def namespace(self) -> str:
@@ -94,10 +95,14 @@ class Cluster:
         try:
             body = _json(self.core.list_pod_for_all_namespaces(_preload_content=False,
                                                                _request_timeout=REQUEST_TIMEOUT_S))
-            self.pod_visibility = "all namespaces"
+            self.pod_visibility, self.sees_all_pods = "all namespaces", True
         except ApiException as err:
             if err.status != 403:
                 raise
+            if self.sees_all_pods:
+                log.warning("listing pods in all namespaces is forbidden (403): GPUs that pods of other namespaces "
+                            "hold are not counted as taken; grant list on pods cluster-wide to count them")
+            self.sees_all_pods = False
             self.pod_visibility = (f"namespace {self.namespace} only: listing pods in all namespaces is forbidden "
                                    "(403), so GPUs that other namespaces' pods hold are not counted as taken")
             body = _json(self.core.list_namespaced_pod(self.namespace, _preload_content=False,

@@ -251,6 +251,9 @@ def test_without_permission_to_list_all_pods_only_the_namespace_is_counted(live_
     pump(bridge, lambda: Gpu.objects.filter(node__pool=pool, held_outside=True).count() == 1,
          what="the namespace's pod to be counted")
     assert "forbidden (403)" in bridge.cluster.pod_visibility and "namespace ml only" in bridge.cluster.pod_visibility
+    # The admin sees it on the node.
+    (node,) = acme.client.get("/api/v1/nodes/").json()["results"]
+    assert node["labels"]["whalezen.io/pod-visibility"] == "namespace-only"
 
 
 def test_two_clusters_are_pools_of_one_decision(live_server, acme, kube_pool, emulated_cluster,
