@@ -115,7 +115,9 @@ class GpuSerializer(serializers.ModelSerializer):
         model = Gpu
         fields = ["index", "uuid", "model", "memory_mb", "nvlink_island", "numa_node", "pci_bus_id", "mig_mode",
                   "health", "utilization_pct", "memory_used_mb", "temperature_c", "power_w", "ecc_errors",
-                  "last_seen_at", "in_use", "held_by"]
+                  "last_seen_at", "in_use", "held_by", "held_outside"]
+        extra_kwargs = {"held_outside": {"help_text": "Taken by work WhaleZen did not place (on a Kubernetes node: "
+                                                      "another pod's GPU request); not free"}}
 
     def _active(self, gpu: Gpu) -> list[AllocationSlice]:
         return [s for s in gpu.slices.all() if s.active]

@@ -73,3 +73,14 @@ def test_long_node_names_are_wrappable_and_another_team_sees_none_of_acmes_nodes
 def test_a_visitor_is_sent_to_log_in(db):
     resp = Browser().get("/nodes/")
     assert resp.status_code == 302 and resp.url.startswith("/login/")
+
+
+def test_a_gpu_that_a_pod_outside_whalezen_holds_is_shown_taken_not_free(acme, as_member):
+    """A Kubernetes node's GPU held by another pod (the bridge reports it held_outside): not free, counted."""
+    Gpu.objects.filter(node=acme.nodes[0], index=7).update(held_outside=True)
+    text = text_of(as_member.get("/nodes/"))
+    node = text.split("acme-a100-0", 1)[1].split("acme-a100-1", 1)[0]
+    assert "1 of 8 GPUs in use" in node and node.count("held by a pod outside WhaleZen") == 1
+    assert node.count("free") == 7
+    api = as_member.get(f"/api/v1/nodes/{acme.nodes[0].pk}/").json()
+    assert [g["held_outside"] for g in api["gpus"]] == [False] * 7 + [True]

@@ -31,7 +31,7 @@ def _gpu_cell(gpu: dict) -> dict:
     own = [h for h in gpu["held_by"] if h["job"] is not None]
     return {**gpu, "util_class": util_class(gpu["utilization_pct"]), "memory_pct": mem_pct,
             "own_holders": own, "other_team": any(h["job"] is None for h in gpu["held_by"]),
-            "free": not gpu["held_by"]}
+            "free": not gpu["held_by"] and not gpu["held_outside"]}
 
 
 def _islands(gpus: list[dict]) -> list[dict]:
@@ -56,7 +56,7 @@ def node_groups(request: HttpRequest) -> list[dict]:
         gpus = node["gpus"]
         by_pool.setdefault(node["pool_id"], []).append({
             **node, "islands": _islands(gpus), "gpu_count": len(gpus),
-            "gpus_busy": sum(1 for g in gpus if g["held_by"]),
+            "gpus_busy": sum(1 for g in gpus if g["held_by"] or g["held_outside"]),
             "unhealthy": sum(1 for g in gpus if g["health"] != "HEALTHY")})
     return [{**pool, "nodes": by_pool.get(pool["id"], [])} for pool in pools]
 
