@@ -28,7 +28,7 @@ from agent.backends.base import GpuBackend
 from agent.jobs import Assignment
 from agent.kube.cluster import Cluster, ClusterConfig, PodWatch
 from agent.kube.inventory import (ASSIGNMENT_LABEL, GpuNode, foreign_gpus_by_node, gpu_node, is_ours,
-                                  selector_matches)
+                                  selector_matches, untolerated_taints)
 from agent.kube.runner import PodRunner
 from agent.kube.telemetry import DcgmReading, dcgm_by_node
 from agent.loop import Agent, AgentConfig, RegistrationRefused
@@ -224,6 +224,7 @@ class Bridge:
         os.set_blocking(self._wake_w, False)
         self._next_refresh = clock()
         self.last_refresh_error: str | None = None
+        self._tainted: set[str] = set()  # nodes left out for their taints (logged once)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -285,7 +286,7 @@ class Bridge:
             log.warning("cannot read the cluster (%s); keeping the last view", self.last_refresh_error)
             return
         self.last_refresh_error = None
-        nodes = [n for n in nodes if selector_matches(n.labels, self.config.node_selector)]
+        nodes = [n for n in nodes if selector_matches(n.labels, self.config.node_selector) and self._schedulable(n)]
         held = foreign_gpus_by_node(pods, self.cluster.config.broker_id)
         telemetry = self._telemetry()
         for node in nodes:
@@ -304,6 +305,17 @@ class Bridge:
             self.agents.pop(name).shutdown()
             self.views.pop(name)
         self._reconcile(pods)
+
+    def _schedulable(self, node: GpuNode) -> bool:
+        blocking = untolerated_taints(node, self.config.tolerations)
+        if not blocking:
+            self._tainted.discard(node.name)
+            return True
+        if node.name not in self._tainted:
+            log.warning("node %s left out: its taints %s are not tolerated (add --toleration to use it)", node.name,
+                        ", ".join(blocking))
+            self._tainted.add(node.name)
+        return False
 
     def _telemetry(self) -> dict[str, tuple[DcgmReading, ...]] | None:
         """The nodes' GPU readings from Prometheus; None (keep the last ones) when it is off or cannot answer."""

@@ -148,6 +148,28 @@ def foreign_gpus_by_node(pods: Iterable[Mapping[str, Any]], broker_id: str) -> d
     return held
 
 
+def untolerated_taints(node: GpuNode, tolerations: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The node's NoSchedule/NoExecute taints that neither the Pods' `nvidia.com/gpu` toleration nor the pool's
+    tolerations tolerate, as `key=value:Effect`: kube-scheduler would never bind our Pods there, so the bridge
+    leaves such a node out (placing jobs there would only bounce them back as unschedulable)."""
+    allowed = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}, *tolerations]
+    blocking = []
+    for taint in node.taints:
+        if taint.get("effect") not in ("NoSchedule", "NoExecute"):
+            continue  # PreferNoSchedule only steers kube-scheduler
+        if not any(_tolerates(t, taint) for t in allowed):
+            blocking.append(f"{taint.get('key')}={taint.get('value', '')}:{taint.get('effect')}")
+    return blocking
+
+
+def _tolerates(toleration: Mapping[str, Any], taint: Mapping[str, str]) -> bool:
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("operator", "Equal") == "Exists":
+        return not toleration.get("key") or toleration["key"] == taint.get("key")
+    return toleration.get("key") == taint.get("key") and str(toleration.get("value", "")) == taint.get("value", "")
+
+
 def selector_matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
     """Whether a node's labels satisfy the pool's `key=value` node selector."""
     return all(labels.get(key) == value for key, value in selector.items())

@@ -221,6 +221,7 @@ def _upsert_gpus(node: Node, gpus: list[dict[str, Any]], now: datetime) -> None:
     # registrations (index 0 now has index 1's UUID) never collide with their own old rows.
     Gpu.objects.filter(node=node).exclude(uuid="").update(uuid="")
     existing = {g.index: g for g in Gpu.objects.filter(node=node)}
+    unknown: set[str] = set()
     for info in gpus:
         model_name = info.get("model") or ""
         numa_node = info.get("numa_node")  # optional: null when NVML and sysfs could not tell
@@ -235,11 +236,16 @@ def _upsert_gpus(node: Node, gpus: list[dict[str, Any]], now: datetime) -> None:
             "mig_mode": info.get("mig_mode") == "enabled",
             "last_seen_at": now,
         }
+        if model_name and values["model"] is None:
+            unknown.add(model_name[:64])
         gpu = existing.pop(info["index"], None)
         if gpu is None:
             Gpu.objects.create(node=node, index=info["index"], **values)
         else:
             Gpu.objects.filter(pk=gpu.pk).update(**values)
+    for name in sorted(unknown):  # reported, not guessed: jobs that ask for a model never land on these GPUs
+        log.warning("node %s: GPU model %r is not in the catalogue; jobs that ask for a GPU model will not be placed "
+                    "on it until an admin adds the model or an alias (admin: GPU models)", node.name, name)
     # GPUs the node no longer reports (fell off the bus before the agent started, removed): keep the
     # rows (allocations point at them) but never schedule on them.
     Gpu.objects.filter(pk__in=[g.pk for g in existing.values()]).update(health=GpuHealth.FAILED)

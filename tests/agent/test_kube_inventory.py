@@ -4,7 +4,7 @@ from __future__ import annotations
 import base64
 
 from agent.jobs import Assignment
-from agent.kube.inventory import foreign_gpus_by_node, gpu_node, pod_gpu_request, quantity_bytes
+from agent.kube.inventory import foreign_gpus_by_node, gpu_node, pod_gpu_request, quantity_bytes, untolerated_taints
 from agent.kube.pods import CHECKPOINT_ANNOTATION, env_secret, gang_service, job_env, pod_manifest, pod_name
 
 
@@ -118,3 +118,16 @@ def test_a_multi_node_job_gets_stable_dns_names_for_its_peers_and_rank_0_a_headl
     assert "hostname" not in pod_manifest(single, node=gpu_node(node()), namespace="ml", broker_id="wz",
                                           node_id=None, default_image="x")["spec"]
     assert job_env(single, node_id=None, namespace="ml")["MASTER_ADDR"] == "127.0.0.1"  # its own Pod
+
+
+def test_a_node_tainted_beyond_what_the_pool_tolerates_is_left_out():
+    tainted = gpu_node({**node(), "spec": {"taints": [
+        {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},  # every Pod of ours tolerates it
+        {"key": "dedicated", "value": "inference", "effect": "NoSchedule"},
+        {"key": "prefer-not", "value": "x", "effect": "PreferNoSchedule"}]}})
+    assert untolerated_taints(tainted, []) == ["dedicated=inference:NoSchedule"]
+    assert untolerated_taints(tainted, [{"key": "dedicated", "operator": "Equal", "value": "inference",
+                                         "effect": "NoSchedule"}]) == []
+    assert untolerated_taints(tainted, [{"key": "dedicated", "operator": "Exists"}]) == []
+    assert untolerated_taints(tainted, [{"key": "dedicated", "operator": "Equal", "value": "training"}]) != []
+    assert untolerated_taints(tainted, [{"operator": "Exists"}]) == []  # tolerates everything

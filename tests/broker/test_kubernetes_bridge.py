@@ -121,11 +121,13 @@ def bridges():
 
 
 def test_gpu_nodes_come_from_labels_and_other_pods_take_gpus(live_server, acme, kube_pool, emulated_cluster,
-                                                              tmp_path, bridges):
+                                                              tmp_path, bridges, caplog):
     pool, token = kube_pool
     emulated_cluster.add_node("h100-a", gpus=8)
     emulated_cluster.add_node("l4-b", gpus=4, product="NVIDIA-L4", memory_mib=23034)
     emulated_cluster.add_node("cpu-c")  # no GPU: not a node of the pool
+    emulated_cluster.add_node("inference-d", gpus=8, taints=["dedicated=inference:NoSchedule"])  # not tolerated
+    emulated_cluster.add_node("b300-e", gpus=8, product="NVIDIA-B300-SXM6-AC")  # not in the catalogue
     emulated_cluster.add_pod("their-train", namespace="research", node_name="h100-a", gpus=3)
     emulated_cluster.add_pod("their-done", namespace="research", node_name="h100-a", gpus=4, phase="Succeeded")
     bridges.append(bridge := make_bridge(live_server.url, emulated_cluster, token, tmp_path))
@@ -133,18 +135,22 @@ def test_gpu_nodes_come_from_labels_and_other_pods_take_gpus(live_server, acme, 
     pump(bridge, lambda: Gpu.objects.filter(node__pool=pool, held_outside=True).count() == 3,
          what="the GPUs the foreign pod holds to be reported")
     nodes = {n.name: n for n in Node.objects.filter(pool=pool)}
-    assert set(nodes) == {"h100-a", "l4-b"}
-    models = {name: sorted({g.model.name for g in node.gpus.all()}) for name, node in nodes.items()}
-    assert models == {"h100-a": ["H100-80GB"], "l4-b": ["L4"]}  # GFD's product label, matched to the catalogue
+    assert set(nodes) == {"h100-a", "l4-b", "b300-e"}
+    models = {name: sorted({g.model.name if g.model else f"? {g.model_name}" for g in node.gpus.all()})
+              for name, node in nodes.items()}
+    # GFD's product label, matched to the catalogue; an unknown one is reported, not guessed.
+    assert models == {"h100-a": ["H100-80GB"], "l4-b": ["L4"], "b300-e": ["? NVIDIA-B300-SXM6-AC"]}
+    assert "GPU model 'NVIDIA-B300-SXM6-AC' is not in the catalogue" in caplog.text
+    assert "node inference-d left out: its taints dedicated=inference:NoSchedule are not tolerated" in caplog.text
     assert nodes["h100-a"].gpus.count() == 8 and nodes["h100-a"].labels["whalezen.io/gpu-sharing"] == "none"
     assert nodes["h100-a"].container_runtimes == ["kubernetes"]
     assert not Gpu.objects.filter(node=nodes["l4-b"], held_outside=True).exists()
 
-    # 5 of the 8 H100s are free: a 6-GPU job waits, a 5-GPU job is placed there.
-    too_big = submit(acme, resources={"gpus": 6}, image=IMAGE)
-    fits = submit(acme, resources={"gpus": 5}, image=IMAGE)
+    # 5 of the 8 H100s are free: a 6-GPU H100 job waits, a 5-GPU one is placed there.
+    too_big = submit(acme, resources={"gpus": 6, "gpu_models": ["H100-80GB"]}, image=IMAGE)
+    fits = submit(acme, resources={"gpus": 5, "gpu_models": ["H100-80GB"]}, image=IMAGE)
     scheduling_cycle_run(tenant=acme.tenant)
-    assert state_of(too_big) == JobState.PENDING and too_big.pending_reason_code == "INSUFFICIENT_GPUS"
+    assert state_of(too_big) == JobState.PENDING and "1 have fewer than 6 free GPUs" in too_big.pending_reason
     assert state_of(fits) == JobState.PLACED
     # A share of a GPU is never placed where the device plugin hands out whole GPUs only.
     share = submit(acme, resources={"gpu_fraction": 0.5}, image=IMAGE)
