@@ -60,5 +60,7 @@ def online_nodes(service: Service, token: str) -> set[str]:
 
 
 def leftovers(var_dir) -> list[str]:
-    found = subprocess.run(["pgrep", "-af", f"kube-demo|{var_dir}"], capture_output=True, text=True).stdout
+    """This service's simulated cluster and bridge still running: their command lines name files under
+    its var dir (another demo on the machine, a developer's `make run`, is not this test's leftover)."""
+    found = subprocess.run(["pgrep", "-af", str(var_dir)], capture_output=True, text=True).stdout
     return [line for line in found.splitlines() if "kube_sim" in line or "agent kubernetes" in line]
