@@ -167,6 +167,11 @@ def owned(target: Target) -> bool:
 
 
 def _team_quota(job: JobDemand, part: PartDemand, target: Target, ctx: FilterContext) -> bool:
+    if ctx.nominal_only and target.kind == "node" and target.node.rented:
+        # The nominal phase places on owned capacity only. A free GPU of a running instance took a
+        # team's job there while other teams borrowed its share, and the share never came back
+        # (bench.fairshare: a 358-cycle regain); the borrowing phase still uses such GPUs.
+        return False
     if ctx.quota is None or not owned(target):
         return True
     return ctx.quota.admits(job, target.gpu_model, ctx.pricing.gpu_share(job, target.gpu_model),

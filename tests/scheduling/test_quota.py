@@ -216,6 +216,24 @@ def test_a_team_within_its_nominal_reclaims_instead_of_renting():
     assert schedule(more, POLICY).launches
 
 
+def test_a_free_gpu_of_a_running_instance_does_not_stand_in_for_a_teams_nominal_share():
+    # acme borrows globex's share of the owned node; a rented instance of acme's has a GPU free (paid
+    # already). globex's job fits its unused nominal: it gets its share back, not the instance's GPU,
+    # where it would keep acme on globex's share until it ended.
+    nodes = [busy("n0", range(8)), gpu_node("i-1", gpus=2, price=3.0, rented=True, used={0: 1000})]
+    running = [held("acme", "n0", [g], f"a{g}") for g in range(8)] + [held("acme", "i-1", [0], "a-rented")]
+    snap = snapshot(nodes, jobs("globex", 1), running=running, quotas=quotas(acme=4, globex=4))
+    plan = schedule(snap, POLICY)
+    assert plan.placement_for("globex0") is None
+    assert plan.pending["globex0"].code == ReasonCode.RECLAIMING
+    assert len(plan.preemptions) == 1 and plan.preemptions[0].cause == "reclaim"
+    assert plan_violations(snap, plan) == []
+    # With nothing borrowed from globex, the instance's free GPU is as good as any: it is used.
+    mine = replace(snap, running=tuple(held("globex" if g < 4 else "acme", "n0", [g], f"x{g}") for g in range(8))
+                   + (held("acme", "i-1", [0], "a-rented"),))
+    assert schedule(mine, POLICY).placement_for("globex0").parts[0].node_id == "i-1"
+
+
 def test_a_backlog_of_borrowers_jobs_does_not_hide_a_job_owed_a_reclaim():
     nodes = [busy("n0", range(8))]
     running = [held("acme", "n0", [g], f"a{g}") for g in range(8)]
