@@ -61,7 +61,7 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
                 options.append((len(found[0]), sum(a.lost_work_s for a in found[0]), book.caps[position].node.id,
                                 position, found))
         for _, _, _, position, (movers, target, part, positions) in sorted(options)[:NODES_TRIED]:
-            destinations = _replace_elsewhere(problem, book, position, movers)
+            destinations = replace_elsewhere(problem, book, position, movers)
             if destinations is None:
                 continue
             cap = book.caps[position]
@@ -82,10 +82,16 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
     return tuple(plan)
 
 
-def _replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[RunningAllocation]):
-    """Place every mover on another node of the current book (what-if); None if any fails."""
+def replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[RunningAllocation],
+                      owned_only: bool = False):
+    """Place every mover on another node of the current book (what-if); None if any fails.
+    `owned_only`: not on rented instances (moving an owned job to make room must not rent)."""
     capacities = [cap.copy() for cap in book.caps]
     capacities[source].schedulable = False  # a moved job must land somewhere else
+    if owned_only:
+        for cap in capacities:
+            if cap.node.rented:
+                cap.schedulable = False
     demands = tuple(replace(a.demand, job_id=a.job_id, submitted_at=0.0) for a in movers)  # type: ignore[arg-type]
     snapshot = replace(problem.snapshot, pending=demands, offers=(), running=())
     mini = build_problem(snapshot, replace(problem.policy, method="greedy"), capacities)

@@ -129,7 +129,9 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
 
 def _migration_violations(snapshot: Snapshot, plan: Plan, nodes, offers, launches, used, cpu, mem) -> list[str]:
     """Moves: of running, movable jobs, each once, not also preempted, onto GPUs nothing else in
-    the snapshot or the plan holds (their CPU and memory added to the destination's)."""
+    the snapshot or the plan holds (their CPU and memory added to the destination's). Moves act in
+    plan order: a move may land on GPUs that a move listed before it leaves (consolidation frees an
+    owned node that way, then brings a rented job onto it)."""
     problems: list[str] = []
     running = {allocation.job_id: allocation for allocation in snapshot.running}
     victims = {p.victim_job_id for p in plan.preemptions}
@@ -165,6 +167,10 @@ def _migration_violations(snapshot: Snapshot, plan: Plan, nodes, offers, launche
                 problems.append(f"{migration.job_id}: GPU model {gpu[0]} not allowed")
         cpu[home, 0] += allocation.cpu_milli
         mem[home, 0] += allocation.memory_mb
+        for index in allocation.gpu_indices:  # what it leaves, later moves may take
+            used[allocation.node_id, 0, index] -= allocation.gpu_milli
+        cpu[allocation.node_id, 0] -= allocation.cpu_milli
+        mem[allocation.node_id, 0] -= allocation.memory_mb
     return problems
 
 

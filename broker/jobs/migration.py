@@ -50,8 +50,12 @@ def _set(migration: Migration, expected: str, **changes) -> bool:
 
 # -- 1. request --------------------------------------------------------------------------------------
 def migration_request(*, job: Job, cause: str = MigrationCause.REQUESTED, target_node: str = "",
-                      target_pool: str = "", message: str = "", deadline: datetime | None = None) -> Migration:
-    """Start moving a RUNNING job. With a target, the target must have room now (or 409 says why).
+                      target_pool: str = "", message: str = "", deadline: datetime | None = None,
+                      room_being_made: bool = False) -> Migration:
+    """Start moving a RUNNING job. With a target, the target must have room now (or 409 says why),
+    unless `room_being_made`: the engine's plan moves other jobs off the target node first (its
+    consolidation brings a rented job home that way); the placement then waits for them
+    (`_place`).
 
     A preemption or spot move (Migration.REQUEUE_CAUSES) has no target: once the checkpoint is
     committed, or at `deadline` without one, the job goes back to the queue.
@@ -70,7 +74,7 @@ def migration_request(*, job: Job, cause: str = MigrationCause.REQUESTED, target
     source = job.allocations.filter(active=True).select_related("node").first()
     if source is None:
         raise JobError("This job holds no GPUs to move from.", field="state", code="conflict")
-    if not requeue:
+    if not requeue and not room_being_made:
         plan = move_plan(job=job, target=MoveTarget(node=target_node, pool=target_pool),
                          leaving_node_id=source.node_id)
         if not plan.possible:
@@ -172,9 +176,16 @@ def _place(*, job: Job, migration: Migration, leaving_node_id: int | None) -> No
             allocation_commit(job=job, requests=plan.requests, expected_state=JobState.MIGRATING)
             Migration.objects.filter(pk=migration.pk).update(
                 placed_on=", ".join(r.node.name for r in plan.requests))
+            _place_those_waiting_for(node_id=leaving_node_id)
             return
         except JobError as exc:  # taken in the meantime: fall through to the queue
             log.info("migration %s: target taken meanwhile (%s)", migration.pk, exc)
+    if _target_being_vacated(migration):
+        # Jobs moved off the target to make room are still leaving it: wait for them (their own
+        # placement, or the sweep, places this one again); the job is not running meanwhile.
+        log.info("migration %s: waiting for moves off %s", migration.pk, migration.target_node)  # pragma: no mutate
+        return
+    _place_those_waiting_for(node_id=leaving_node_id)
     try:
         job_transition(job=job, to=JobState.PENDING, reason_code="MIGRATING",
                        message=f"Being moved: waiting for room elsewhere; it resumes from step {step}."
@@ -182,6 +193,25 @@ def _place(*, job: Job, migration: Migration, leaving_node_id: int | None) -> No
                        data={"migration": migration.pk})
     except (IllegalTransition, StaleState):
         pass
+
+
+def _target_being_vacated(migration: Migration) -> bool:
+    """Another job's move off this move's target node is still open (it leaves room for this one)."""
+    return bool(migration.target_node) and Migration.objects.filter(
+        state__in=Migration.OPEN_STATES, source_node=migration.target_node).exclude(pk=migration.pk).exclude(
+        state=MigrationState.PLACING, source_stopped_at__isnull=False).exists()
+
+
+def _place_those_waiting_for(*, node_id: int | None) -> None:
+    """A job left node `node_id`: moves waiting for room there are placed now rather than at the sweep."""
+    if node_id is None:
+        return
+    from broker.inventory.models import Node
+
+    name = Node.objects.filter(pk=node_id).values_list("name", flat=True).first()
+    for waiting in Migration.objects.filter(state=MigrationState.PLACING, target_node=name,
+                                            job__state=JobState.MIGRATING).select_related("job"):
+        _place(job=waiting.job, migration=waiting, leaving_node_id=_source_node_id(waiting))
 
 
 # -- 4. running on the target: done -----------------------------------------------------------------

@@ -275,8 +275,12 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
         except JobError as exc:
             outcome.conflicts.append(f"preempt {preemption.victim_job_id}: {exc}")
 
+    left: set[str] = set()  # nodes that moves already begun this cycle leave (plan order)
     for move in plan.migrations:
-        _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome, may_use=may_use, jobs=jobs)
+        _apply_move(move=move, job=jobs.get(move.job_id), nodes=nodes, outcome=outcome, may_use=may_use, jobs=jobs,
+                    room_being_made=move.to.node_id in left)
+        if int(move.job_id) in outcome.moved:
+            left.add(move.from_node_id)
 
     on_nodes: list[tuple[JobRef, list[GpuRequest]]] = []
     for placement in plan.placements:
@@ -379,8 +383,10 @@ _MOVE_CAUSES = {"defragmentation": MigrationCause.DEFRAGMENTATION, "cheaper": Mi
 
 def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], outcome: CycleOutcome,
                 may_use: Callable[[Job, int], bool] = lambda job, pool_id: True,
-                jobs: dict[str, Job] | None = None) -> None:
-    """One move the engine planned, started as a checkpointed migration to the node it chose."""
+                jobs: dict[str, Job] | None = None, room_being_made: bool = False) -> None:
+    """One move the engine planned, started as a checkpointed migration to the node it chose.
+    `room_being_made`: a move begun before it in this plan leaves the target node (the engine frees
+    an owned node that way for a rented job), so the target need not have room yet."""
     if job is None or job.state != JobState.RUNNING or open_migration(job) is not None:
         return
     target = nodes.get(move.to.node_id or "")
@@ -399,7 +405,7 @@ def _apply_move(*, move: sm.Migration, job: Job | None, nodes: dict[str, Node], 
     else:
         why = f" to make room for job {move.for_job_id}"
     try:
-        migration_request(job=job, cause=cause, target_node=target.name,
+        migration_request(job=job, cause=cause, target_node=target.name, room_being_made=room_being_made,
                           message=f"Moving to {target.name} ({cause.label.lower()}{why}): checkpoint requested.")
         outcome.moved.append(job.pk)
     except JobError as exc:

@@ -8,7 +8,8 @@ from datetime import timedelta
 from django.utils import timezone
 
 from broker.jobs import checkpoints
-from broker.jobs.migration import migrations_sweep
+from broker.jobs.migration import migration_checkpoint_committed, migration_source_stopped, migrations_sweep
+from broker.jobs.models import MigrationState
 from broker.jobs.models import Checkpoint, Job, Migration, MigrationState
 from broker.jobs.services import GpuRequest, allocation_commit, job_transition
 from broker.jobs.states import JobState
@@ -164,3 +165,85 @@ def test_with_nothing_pending_a_consolidation_cycle_moves_a_lone_job_off_a_costl
     move = Migration.objects.get(job=job)
     assert move.cause == "CONSOLIDATION" and move.target_node in {n.name for n in acme.nodes}
     assert tenants_to_schedule() == []  # one consolidation cycle per interval
+
+
+def home_coming(acme, gpu_models, root):
+    """8 owned GPUs free, 4 on each of acme's nodes (a movable 4-GPU job on the first, a pinned one on
+    the second), and an 8-GPU job on a rented instance: (near, far, mover, big)."""
+    from broker.inventory.models import Pool, PoolKind
+    from broker.inventory.services import node_create_simulated
+
+    rented_pool = Pool.objects.create(tenant=acme.tenant, name="aws-east", kind=PoolKind.AWS, region="us-east-1",
+                                      gpu_hour_rate_usd=12)
+    instance = node_create_simulated(pool=rented_pool, name="aws-east-p4d", gpu_model=gpu_models["A100-80GB"],
+                                     gpu_count=8, nvlink_island_size=8, cpu_milli=96000, memory_mb=1024 * 1024)
+
+    def running(name, node, gpus, checkpoint=True):
+        spec = {"checkpoint": {"uri": str(root / name)}} if checkpoint else {}
+        job = submit(acme, name=name, resources={"gpus": len(gpus), "gpu_models": ["A100-80GB"]}, preemptible=True,
+                     expected_duration_hours=10, **spec)
+        allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=gpus)])
+        for to in (JobState.STARTING, JobState.RUNNING):
+            job = job_transition(job=job, to=to)
+        Job.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(hours=1))
+        return job
+
+    near, far = acme.nodes
+    mover = running("mover", near, (0, 1, 2, 3))
+    running("pinned", far, (0, 1, 2, 3), checkpoint=False)
+    return near, far, mover, running("big", instance, tuple(range(8)))
+
+
+def checkpointed_and_stopped(job, root):
+    """Drive a job's open move through a committed checkpoint and its source's confirmed stop."""
+    job.refresh_from_db()
+    ckpt = Checkpoint.objects.create(job=job, uri=f"{root}/{job.name}/step-1", step=1, state="COMMITTED",
+                                     committed_at=timezone.now())
+    assert migration_checkpoint_committed(job=job, checkpoint=ckpt)
+    assert migration_source_stopped(job=job, allocation=Migration.objects.get(job=job).source_allocation)
+    job.refresh_from_db()
+    return job
+
+
+def test_a_rented_job_comes_home_once_an_owned_job_makes_room_for_it(acme, gpu_models, root):
+    """The cycle moves the owned job that frees a whole node and brings the rented job onto it, each a
+    checkpointed move whose event says why; the rented job, stopped first, waits for the room (it is
+    not requeued onto another instance) and is placed once the mover has left."""
+    near, far, mover, big = home_coming(acme, gpu_models, root)
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    assert sorted(outcome.moved) == sorted([mover.pk, big.pk]), outcome.conflicts
+    making_room = Migration.objects.get(job=mover)
+    assert making_room.cause == "DEFRAGMENTATION" and making_room.target_node == far.name
+    assert f"to make room for job {big.pk}" in mover.events.order_by("-id").first().message
+    home = Migration.objects.get(job=big)
+    assert home.cause == "CONSOLIDATION" and home.target_node == near.name
+
+    big = checkpointed_and_stopped(big, root)
+    assert big.state == JobState.MIGRATING and Migration.objects.get(job=big).state == MigrationState.PLACING
+    assert migrations_sweep()["redriven"] == [home.pk]  # the sweep tries again, and it still waits
+    big.refresh_from_db()
+    assert big.state == JobState.MIGRATING and not big.allocations.filter(active=True).exists()
+    mover = checkpointed_and_stopped(mover, root)
+    assert mover.state == JobState.PLACED and mover.allocations.get(active=True).node == far
+    big.refresh_from_db()
+    assert big.state == JobState.PLACED
+    placed = big.allocations.get(active=True)
+    assert placed.node == near
+    assert sorted(set(placed.slices.values_list("gpu__index", flat=True))) == list(range(8))
+
+
+def test_a_move_waiting_for_room_goes_back_to_the_queue_when_the_job_making_it_stays(acme, gpu_models, root):
+    """The move that was to leave room is called off (its checkpoint never came): the waiting job is
+    requeued, to be placed wherever the scheduler finds room, as any move whose target filled up."""
+    near, far, mover, big = home_coming(acme, gpu_models, root)
+    scheduling_cycle_run(tenant=acme.tenant)
+    big = checkpointed_and_stopped(big, root)
+    assert big.state == JobState.MIGRATING
+    Migration.objects.filter(job=mover).update(deadline=timezone.now() - timedelta(seconds=1))
+    swept = migrations_sweep()
+    assert swept["late"] == [Migration.objects.get(job=mover).pk]
+    mover.refresh_from_db()
+    assert mover.state == JobState.RUNNING and mover.allocations.get(active=True).node == near
+    migrations_sweep()
+    big.refresh_from_db()
+    assert big.state == JobState.PENDING and big.pending_reason_code == "MIGRATING"

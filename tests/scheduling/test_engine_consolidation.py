@@ -83,3 +83,66 @@ def test_consolidation_can_be_switched_off():
     snap = snapshot([rented("i-1", jobs=2), gpu_node("onprem", gpus=8, price=1.0)],
                     running=[running("a", "i-1", 0), running("b", "i-1", 1)])
     assert schedule(snap, replace(POLICY, consolidation=False)).migrations == ()
+
+
+def multi(job_id: str, node_id: str, gpus: tuple[int, ...], run_s: float = 3600.0, hours: float = 8.0, **fields):
+    """A running job on several GPUs of one node."""
+    fields.setdefault("checkpointable", True)
+    fields.setdefault("preemptible", True)
+    return RunningAllocation(job_id, node_id, gpus, tenant="acme", run_seconds=run_s, checkpoint_age_s=60.0,
+                             restart_cost_s=120.0, cpu_milli=1000, memory_mb=1024,
+                             demand=job(job_id, gpus=len(gpus), expected_duration_hours=hours), **fields)
+
+
+def fragmented(pinned_b: bool = False):
+    """An 8-GPU job on a rented 8-GPU instance; two owned 8-GPU nodes with 4 GPUs free each: 8 free
+    owned GPUs in all, none of them 8 on one node. a (4 GPUs) on node-a could join b on node-b."""
+    nodes = [rented("i-1", jobs=8), gpu_node("node-a", used={g: 1000 for g in range(4)}),
+             gpu_node("node-b", used={g: 1000 for g in range(4)})]
+    running = [multi("big", "i-1", tuple(range(8))), multi("a", "node-a", (0, 1, 2, 3)),
+               multi("b", "node-b", (0, 1, 2, 3), checkpointable=not pinned_b)]
+    return snapshot(nodes, running=running)
+
+
+def test_a_rented_job_comes_home_when_one_owned_node_can_be_emptied_for_it():
+    snap = fragmented()
+    plan = schedule(snap, POLICY)
+    # The owned job that frees a node moves first (the simulator and the broker act in plan order).
+    assert [(m.job_id, m.from_node_id, m.to.node_id, m.reason) for m in plan.migrations] == [
+        ("a", "node-a", "node-b", "defragmentation"), ("big", "i-1", "node-a", "cheaper")]
+    assert plan.migrations[0].for_job_id == "big"
+    assert sorted(plan.migrations[0].to.gpu_indices) == [4, 5, 6, 7]
+    assert sorted(plan.migrations[1].to.gpu_indices) == list(range(8))
+    assert plan_violations(snap, plan) == []
+
+
+def test_no_home_coming_when_it_would_take_an_unmovable_job_or_does_not_pay_or_exceeds_the_move_budget():
+    # With b pinned, a is still free to make room (it joins b on node-b).
+    pinned = fragmented(pinned_b=True)
+    assert [m.job_id for m in schedule(pinned, POLICY).migrations] == ["a", "big"]
+    nothing_movable = replace(pinned, running=tuple(
+        replace(a, checkpointable=False) if a.job_id in ("a", "b") else a for a in pinned.running))
+    assert schedule(nothing_movable, POLICY).migrations == ()
+    # 10 minutes of work left: restarting costs more than the instance would.
+    ending = replace(pinned, running=tuple(
+        replace(a, run_seconds=3000.0, demand=replace(a.demand, expected_duration_hours=1.0)) if a.job_id == "big"
+        else a for a in pinned.running))
+    assert schedule(ending, POLICY).migrations == ()
+    assert schedule(fragmented(), replace(POLICY, max_consolidation_moves=1)).migrations == ()
+
+
+def test_no_home_coming_when_the_owned_gpus_are_not_there_in_total():
+    snap = fragmented()
+    busier = replace(snap, nodes=(snap.nodes[0], snap.nodes[1], gpu_node("node-b", used={g: 1000 for g in range(5)})),
+                     running=snap.running[:2] + (multi("b", "node-b", (0, 1, 2, 3, 4)),))
+    assert schedule(busier, POLICY).migrations == ()
+
+
+def test_the_validator_lets_a_move_land_only_on_gpus_a_move_listed_before_it_leaves():
+    from scheduling.model import Migration, Plan, PlacementPart
+    snap = fragmented()
+    leave = Migration("a", "node-a", PlacementPart((4, 5, 6, 7), 1000, node_id="node-b"), "defragmentation", "big")
+    come = Migration("big", "i-1", PlacementPart(tuple(range(8)), 1000, node_id="node-a"), "cheaper")
+    assert plan_violations(snap, Plan(migrations=(leave, come))) == []
+    out_of_order = plan_violations(snap, Plan(migrations=(come, leave)))
+    assert "big: GPU 0 on node-a over-allocated or unhealthy" in out_of_order
