@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_kubernetes_pool_stores_where_the_kubeconfig_is_and_prints_the_bridge_command(acme, tmp_path, capsys):
     token_file = tmp_path / "k8s.token"
     call_command("kubernetes_pool_add", tenant="acme", pool="gpu-k8s", kubeconfig="env:KUBECONFIG", context="prod",
-                 namespace="ml-jobs", node_selector=["pool=gpu"], toleration=['{"key": "dedicated", "operator": "Exists"}'],
-                 token_file=token_file, server="http://broker:8000")
+                 namespace="ml-jobs", node_selector=["pool=gpu"], label=["fabric=infiniband"],
+                 toleration=['{"key": "dedicated", "operator": "Exists"}'], token_file=token_file,
+                 server="http://broker:8000")
     pool = Pool.objects.get(tenant=acme.tenant, name="gpu-k8s")
     assert pool.kind == PoolKind.KUBERNETES
     assert pool.provider_config["kubeconfig"] == "env:KUBECONFIG" and pool.provider_config["namespace"] == "ml-jobs"
@@ -29,6 +30,8 @@ def test_a_kubernetes_pool_stores_where_the_kubeconfig_is_and_prints_the_bridge_
     assert token.startswith("wzj_") and stat.S_IMODE(token_file.stat().st_mode) == 0o600
     out = capsys.readouterr().out
     assert "python -m agent kubernetes --server http://broker:8000" in out and "--bridge-id acme-gpu-k8s" in out
+    # Every node of the cluster is on one fabric: the bridge labels them so, and gangs may go there.
+    assert pool.provider_config["labels"] == {"fabric": "infiniband"} and "--label fabric=infiniband" in out
     assert token not in out  # the token is in the file only
 
 
@@ -36,6 +39,8 @@ def test_a_kubernetes_pool_stores_where_the_kubeconfig_is_and_prints_the_bridge_
     ({"kubeconfig": "relative/path"}, "an absolute path, env:NAME or in-cluster"),
     ({"node_selector": ["no-equals"]}, "--node-selector"),
     ({"toleration": ["[1, 2]"]}, "--toleration"),
+    ({"label": ["fabric"]}, "--label 'fabric': expected KEY=VALUE"),
+    ({"label": ["bad key=x"]}, "--label 'bad key=x'"),
     ({"tenant": "nobody"}, "no tenant"),
 ])
 def test_bad_pool_options_are_refused(acme, tmp_path, options, fragment):
@@ -65,6 +70,7 @@ def test_gfd_product_labels_resolve_to_the_catalogue(gpu_models):
     (["--kubeconfig", "env:WZ_TEST_UNSET_VAR"], "WZ_TEST_UNSET_VAR is not set"),
     (["--kubeconfig", "in-cluster", "--node-selector", "x"], "expected KEY=VALUE"),
     (["--kubeconfig", "in-cluster", "--toleration", "{bad"], "--toleration"),
+    (["--kubeconfig", "in-cluster", "--label", "fabric"], "--label 'fabric': expected KEY=VALUE"),
     (["--kubeconfig", "in-cluster", "--bridge-id", "has space"], "--bridge-id"),
 ])
 def test_the_bridge_refuses_what_it_cannot_use_with_exit_code_2(args, fragment, tmp_path):
