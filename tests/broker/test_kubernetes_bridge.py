@@ -564,3 +564,31 @@ def test_one_rank_failing_fails_the_gang_and_deletes_the_other_ranks_pod(
     pump(bridge, lambda: emulated_cluster.pod(NS, survivor) is None,
          what="the surviving rank's Pod to be deleted")
     assert not our_pods(emulated_cluster)
+
+
+def test_a_gang_given_back_unscheduled_runs_again_under_a_peer_service_its_new_rank_0_owns(
+        live_server, acme, kube_pool, emulated_cluster, tmp_path, bridges):
+    pool, token = kube_pool
+    for name in ("h100-a", "h100-b"):
+        emulated_cluster.add_node(name, gpus=8)
+    bridges.append(bridge := make_bridge(live_server.url, emulated_cluster, token, tmp_path,
+                                         labels={"fabric": "infiniband"}))
+    pump(bridge, lambda: Node.objects.filter(pool=pool).count() == 2, what="both nodes to register")
+    job = submit(acme, resources={"gpus": 8, "nodes": 2}, image=IMAGE)
+    scheduling_cycle_run(tenant=acme.tenant)
+    first = gang_pods(bridge, emulated_cluster, job)
+    emulated_cluster.unschedulable(NS, first[1]["metadata"]["name"], "0/2 nodes are available: 1 node(s) had "
+                                   "untolerated taint {maintenance: true}.")
+    pump(bridge, lambda: state_of(job) == JobState.PENDING, what="the gang to go back to the queue")
+    pump(bridge, lambda: not our_pods(emulated_cluster), what="both ranks' Pods to be deleted")
+    assert "untolerated taint" in job.pending_reason
+    # Kubernetes' garbage collector deletes the Service after its owner, rank 0's first Pod, in its own time:
+    # here it has not yet. The next placement's rank 0 must take it over, or the collector takes it later.
+    assert emulated_cluster.get(SERVICES, NS, f"wz-{job.pk}") is not None
+
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert state_of(job) == JobState.PLACED, job.pending_reason
+    again = gang_pods(bridge, emulated_cluster, job)
+    assert again[0]["metadata"]["name"] != first[0]["metadata"]["name"]
+    owners = emulated_cluster.get(SERVICES, NS, f"wz-{job.pk}")["metadata"]["ownerReferences"]
+    assert [owner["name"] for owner in owners] == [again[0]["metadata"]["name"]]
