@@ -154,6 +154,35 @@ class Book:
             packer.touch(index, positions)
         return placement
 
+    def place_spread_gang(self, job: JobDemand, target_indices: list[int],
+                          part: PartDemand) -> Placement | None:
+        """A multi-node gang over nodes of several node shapes, best-fit in each, the shapes in the order
+        given (the caller's: cheapest first, all of one fabric group, GPU model and price, so one price
+        holds). Nodes of one pool fall into shapes of their own as soon as they differ in a label (a
+        Kubernetes node's hostname) or in what already runs on them, and `place_job` keeps a gang inside
+        one shape."""
+        needed = max(1, job.nodes)
+        chosen: list[tuple[int, int, tuple[int, ...]]] = []  # (target, node inside its packer, GPU positions)
+        for target_index in target_indices:
+            packer = self.packer(target_index)
+            taken: set[int] = set()
+            while len(chosen) < needed:
+                found = packer.find(part, taken)
+                if found is None:
+                    break
+                taken.add(found[0])
+                chosen.append((target_index, *found))
+            if len(chosen) == needed:
+                break
+        placement = None
+        targets = [self.problem.targets[t] for t in dict.fromkeys(t for t, _, _ in chosen)]
+        if len(chosen) == needed and all(t.kind == "node" and self.admits(job, t) for t in targets):
+            slots = [(self.packers[t].caps[inside], positions, None) for t, inside, positions in chosen]
+            placement = self.commit(job, targets[0], slots, part)
+        for target_index, inside, positions in chosen:
+            self.packers[target_index].touch(inside, positions)
+        return placement
+
     def refresh_node(self, position: int) -> None:
         """Re-index a node whose capacity changed outside `place_job` (preemption, defrag)."""
         slot = self.node_slot.get(position)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from operator import itemgetter
 
 from scheduling.book import Book
+from scheduling.milp import fabric_group
+from scheduling.model import JobDemand
 from scheduling.patterns import part_gpu_milli, stranded_gpus, stranding_coefficients
 from scheduling.problem import Candidate, Problem
 
@@ -115,5 +117,31 @@ def place_greedily(problem: Problem, book: Book, job_ids: list[str]) -> list[str
                 break
             exhausted.add((class_index, candidate.target))
         else:
+            spread = _place_spread(problem, book, job, candidates, waiting_cost) if job.nodes > 1 else []
+            if spread:
+                touched.update(t for t in spread if problem.targets[t].count == 1)
+                continue
             unplaced.append(job_id)
     return unplaced
+
+
+def _place_spread(problem: Problem, book: Book, job: JobDemand, candidates: list[Candidate],
+                  waiting_cost: float) -> list[int]:
+    """A gang that no single node shape holds, over several shapes of one fabric group (one pool) with one GPU
+    model, price and part: two nodes of a pool that differ in a label or in their running jobs are two shapes.
+    The groups are tried in candidate order (cheapest first); the MILP's counts may split a gang the same way,
+    and mapping leaves such a gang to this repair. The targets of the group it went to; [] when it fits
+    nowhere."""
+    groups: dict[tuple, list[int]] = {}
+    for candidate in candidates:
+        target = problem.targets[candidate.target]
+        if target.kind != "node" or problem.weights["money"] * candidate.hourly \
+                * problem.pricing.runtime_hours(job, target.gpu_model) > waiting_cost:
+            continue
+        key = (fabric_group(problem, candidate.target), target.gpu_model, target.node.price_per_gpu_hour,
+               candidate.part)
+        groups.setdefault(key, []).append(candidate.target)
+    for key, targets in groups.items():
+        if len(targets) > 1 and book.place_spread_gang(job, targets, key[-1]) is not None:
+            return targets
+    return []

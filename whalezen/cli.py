@@ -757,7 +757,9 @@ def cmd_nodes(ctx: Context) -> int:
         models: dict[str, int] = {}
         for gpu in gpus:
             models[gpu["model"]] = models.get(gpu["model"], 0) + 1
-        free = sum(1 for g in gpus if not g.get("in_use") and g.get("health") == "HEALTHY")
+        # A GPU held outside WhaleZen (another pod's request on a Kubernetes node) is taken, not free.
+        free = sum(1 for g in gpus
+                   if not g.get("in_use") and not g.get("held_outside") and g.get("health") == "HEALTHY")
         utils = [g["utilization_pct"] for g in gpus if g.get("utilization_pct") is not None]
         mine = sorted({h["job"] for g in gpus for h in g.get("held_by") or [] if h.get("job")})
         pool = node["pool"] + (" (shared)" if node.get("shared") else "")

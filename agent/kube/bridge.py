@@ -45,6 +45,10 @@ FORWARDED_LABELS = ("nvidia.com/gpu.product", "nvidia.com/gpu.memory", "nvidia.c
                     "nvidia.com/gpu.family", "nvidia.com/mig.strategy", "kubernetes.io/hostname",
                     "topology.kubernetes.io/region", "topology.kubernetes.io/zone",
                     "node.kubernetes.io/instance-type")
+# A node's fabric as the cluster's admin labels it (`kubectl label node n1 whalezen.io/fabric=infiniband`),
+# passed on as the broker's `fabric` label: multi-node gangs go only to nodes on a fast fabric (scheduling's
+# NO_FAST_FABRIC), and nothing a device plugin or GFD sets says which fabric a node is on.
+FABRIC_NODE_LABEL = "whalezen.io/fabric"
 
 
 @dataclass
@@ -199,6 +203,7 @@ class BridgeConfig:
     state_dir: Path
     default_image: str = "python:3.11-slim"
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)  # every node's (`--label fabric=infiniband`)
     tolerations: Sequence[Mapping[str, Any]] = ()
     refresh_seconds: float = 15.0
     heartbeat_seconds: float | None = None
@@ -334,7 +339,10 @@ class Bridge:
                            default_image=self.config.default_image, tolerations=self.config.tolerations,
                            stop_grace_s=self.config.stop_grace_s)
         backend = KubeNodeBackend(view, runner.busy_gpus, context=self.config.cluster.context or "default")
-        labels = {k: v for k, v in view.node.labels.items() if k in FORWARDED_LABELS}
+        labels = {**self.config.labels,
+                  **{k: v for k, v in view.node.labels.items() if k in FORWARDED_LABELS}}
+        if view.node.labels.get(FABRIC_NODE_LABEL):  # the node's own label says more than the bridge's
+            labels["fabric"] = view.node.labels[FABRIC_NODE_LABEL]
         labels.update({SHARING_LABEL[0]: SHARING_LABEL[1], "whalezen.io/kubernetes-node": view.node.name[:63],
                        # What an admin sees on the node (its labels): whether other namespaces' pods are counted.
                        VISIBILITY_LABEL: "all-namespaces" if self.cluster.sees_all_pods else "namespace-only"})

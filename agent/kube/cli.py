@@ -40,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="default", help="where the jobs' Pods go (default: default)")
     p.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE",
                    help="only nodes with this label (repeatable)")
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                   help="a label every node of the cluster gets in the broker (repeatable), e.g. "
+                   "fabric=infiniband when the GPU nodes share an InfiniBand fabric: multi-node jobs go only "
+                   "to nodes on a fast fabric. A node's own whalezen.io/fabric label says it per node")
     p.add_argument("--toleration", action="append", default=[], metavar="JSON",
                    help='a toleration added to every Pod, as JSON: {"key": "dedicated", "operator": "Equal", '
                    '"value": "ml", "effect": "NoSchedule"} (repeatable; the nvidia.com/gpu one is always there)')
@@ -99,6 +103,7 @@ def main(args: Sequence[str]) -> int:
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         selector = _pairs(opts.node_selector, "--node-selector")
+        labels = _pairs(opts.label, "--label")
         tolerations = _tolerations(opts.toleration)
         join_token = read_join_token(value=opts.join_token, path=opts.join_token_file, fd=opts.join_token_fd)
         kubeconfig_path(opts.kubeconfig)
@@ -111,7 +116,8 @@ def main(args: Sequence[str]) -> int:
                             broker_id=opts.bridge_id)
     state_dir = opts.state_dir or Path.home() / ".local" / "state" / "whalezen-kube" / (opts.context or "default")
     config = BridgeConfig(server_url=opts.server, join_token=join_token, cluster=cluster, state_dir=state_dir,
-                          default_image=opts.default_image, node_selector=selector, tolerations=tolerations,
+                          default_image=opts.default_image, node_selector=selector, labels=labels,
+                          tolerations=tolerations,
                           refresh_seconds=opts.refresh_seconds, heartbeat_seconds=opts.heartbeat_seconds,
                           stop_grace_s=opts.stop_grace_seconds, name_prefix=opts.name_prefix,
                           prometheus_url=opts.prometheus_url)

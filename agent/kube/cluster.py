@@ -128,7 +128,21 @@ class Cluster:
         self._create(self.core.create_namespaced_secret, manifest)
 
     def create_service(self, manifest: Mapping[str, Any]) -> None:
-        self._create(self.core.create_namespaced_service, manifest)
+        """A gang's headless Service. One left by an earlier placement of the same job (its owner, that
+        placement's rank 0 Pod, is gone, and the garbage collector deletes it in its own time) is taken over:
+        it gets the new owner, or the collector would delete it under the running gang and its DNS names."""
+        from kubernetes.client import ApiException
+
+        metadata = manifest["metadata"]
+        try:
+            self.core.create_namespaced_service(self.namespace, manifest, _preload_content=False,
+                                                _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+            self.core.patch_namespaced_service(metadata["name"], self.namespace,
+                                               {"metadata": {"ownerReferences": metadata["ownerReferences"]}},
+                                               _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
 
     def _create(self, create: Any, manifest: Mapping[str, Any]) -> None:
         from kubernetes.client import ApiException

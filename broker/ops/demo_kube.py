@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 
@@ -31,10 +31,18 @@ def demo_cluster_config(*, pool_name: str) -> dict[str, Any]:
                                "foreign_pods": {"research-notebook": "k8s-h100-0:1"}}}
 
 
-def demo_kube_children(*, server_url: str, python: str = sys.executable) -> list[tuple[str, list[str]]]:
-    """(name, argv) of the simulated cluster and the bridge for every demo kubernetes pool. Issues each
-    pool's join token into a 0600 file the bridge reads, and removes a kubeconfig an earlier run left
-    (it names that run's port: the bridge must wait for this run's)."""
+class DemoChild(NamedTuple):
+    """A process `serve` supervises for the demo cluster."""
+
+    name: str
+    argv: list[str]
+    after_file: Path | None = None  # started once this exists (the bridge: the kubeconfig the cluster writes)
+
+
+def demo_kube_children(*, server_url: str, python: str = sys.executable) -> list[DemoChild]:
+    """The simulated cluster and the bridge for every demo kubernetes pool. Issues each pool's join token
+    into a 0600 file the bridge reads, and removes a kubeconfig an earlier run left (it names that run's
+    port): the bridge starts once this run's cluster has written its own."""
     children = []
     for pool in Pool.objects.filter(kind=PoolKind.KUBERNETES, enabled=True).order_by("pk"):
         config = pool.provider_config or {}
@@ -62,5 +70,6 @@ def demo_kube_children(*, server_url: str, python: str = sys.executable) -> list
                   "--namespace", str(config["namespace"]), "--bridge-id", f"demo-{pool.pk}",
                   "--state-dir", str(folder / "bridge"), "--default-image", str(config.get("default_image")),
                   "--refresh-seconds", "5", "--stop-grace-seconds", "5"]
-        children += [(f"kube-cluster-{pool.pk}", cluster), (f"kube-bridge-{pool.pk}", bridge)]
+        children += [DemoChild(f"kube-cluster-{pool.pk}", cluster),
+                     DemoChild(f"kube-bridge-{pool.pk}", bridge, after_file=kubeconfig)]
     return children

@@ -33,6 +33,10 @@ class ChildSpec:
     env: dict[str, str]
     log_path: Path
     cwd: Path | None = None
+    # Started only once this file exists: a file another child writes (the demo cluster's kubeconfig, which
+    # names the port it got, for its bridge). Started beside it, the child would fail and be restarted on
+    # every start of the service.
+    after_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class _Child:
     delay: float | None = None  # the last restart delay; None = next restart waits `initial_s`
     restart_at: float | None = None
     restarts: int = 0
+    waiting: bool = False  # not started yet: its `after_file` does not exist
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -110,7 +115,15 @@ class Supervisor:
     # -- starting and restarting -----------------------------------------------------------------
     def start(self) -> None:
         for child in self.children.values():
-            self._spawn(child)
+            if self._ready(child):
+                self._spawn(child)
+            else:
+                child.waiting = True
+                self.log(f"{child.spec.name} starts once {child.spec.after_file} exists")
+
+    @staticmethod
+    def _ready(child: _Child) -> bool:
+        return child.spec.after_file is None or child.spec.after_file.exists()
 
     def _spawn(self, child: _Child) -> None:
         spec = child.spec
@@ -127,6 +140,11 @@ class Supervisor:
         """Notice children that exited, and restart those whose backoff has elapsed."""
         now = self._clock()
         for child in self.children.values():
+            if child.waiting:
+                if self._ready(child):  # its file is there: its first start
+                    child.waiting = False
+                    self._spawn(child)
+                continue
             process = child.process
             if process is not None and process.poll() is not None:
                 self._reap_group(process.pid)

@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 NS = "ml"
 IMAGE = "nvcr.io/nvidia/pytorch:24.01-py3"
 SECRETS = references.resource(group="", version="v1", plural="secrets")
+SERVICES = references.resource(group="", version="v1", plural="services")
 
 
 @pytest.fixture(autouse=True)
@@ -60,13 +61,13 @@ def kube_pool(acme):
 
 
 def make_bridge(url: str, cluster, token: str, tmp_path: Path, *, context: str = "emulated",
-                bridge_id: str = "acme-k8s") -> Bridge:
+                bridge_id: str = "acme-k8s", labels: dict[str, str] | None = None) -> Bridge:
     kubeconfig = cluster.write_kubeconfig(tmp_path / f"{context}.kubeconfig", context=context, namespace=NS)
     config = BridgeConfig(server_url=url, join_token=token,
                           cluster=ClusterConfig(kubeconfig=str(kubeconfig), context=context, namespace=NS,
                                                 broker_id=bridge_id),
                           state_dir=tmp_path / f"bridge-{context}", refresh_seconds=0.0, heartbeat_seconds=0.05,
-                          stop_grace_s=1.0, tick_seconds=0.05)
+                          stop_grace_s=1.0, tick_seconds=0.05, labels=labels or {})
     bridge = Bridge(config)
     bridge.watch.start()
     assert bridge.watch.wait_listed(5)
@@ -464,3 +465,130 @@ def test_gpu_readings_and_xid_health_come_from_the_sites_prometheus(live_server,
             assert state_of(whole_node) == JobState.PENDING  # 3 healthy GPUs left on the node
     finally:
         exporter.stop()
+
+
+def gang_pods(bridge: Bridge, cluster, job) -> dict[int, dict]:
+    """The job's Pods by rank, once the bridge has made one for each of its two nodes."""
+    def made():
+        pods = [p for p in our_pods(cluster) if p["metadata"]["labels"]["whalezen.io/job"] == str(job.pk)]
+        return len(pods) == 2 and pods
+    return {int(secret_env(cluster, p["metadata"]["name"])["WHALEZEN_NODE_RANK"]): p
+            for p in pump(bridge, made, what="a Pod for each node of the gang")}
+
+
+def pinned_host(pod: dict) -> str:
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (hostname,) = [m["values"] for m in terms["nodeSelectorTerms"][0]["matchExpressions"]
+                   if m["key"] == "kubernetes.io/hostname"]
+    return hostname[0]
+
+
+def test_a_two_node_gang_runs_as_one_pod_per_node_that_find_each_other_by_dns_name(
+        live_server, acme, kube_pool, emulated_cluster, tmp_path, bridges):
+    pool, token = kube_pool
+    # The cluster's admin marks the nodes on an InfiniBand fabric; without a fast fabric no gang goes there.
+    for name in ("h100-a", "h100-b"):
+        emulated_cluster.add_node(name, gpus=8, labels={"whalezen.io/fabric": "infiniband"})
+    bridges.append(bridge := make_bridge(live_server.url, emulated_cluster, token, tmp_path))
+    pump(bridge, lambda: Node.objects.filter(pool=pool).count() == 2, what="both nodes to register")
+    assert {n.labels.get("fabric") for n in Node.objects.filter(pool=pool)} == {"infiniband"}
+
+    job = submit(acme, resources={"gpus": 4, "nodes": 2}, image=IMAGE, command=["torchrun", "train.py"])
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert state_of(job) == JobState.PLACED, job.pending_reason
+    pods = gang_pods(bridge, emulated_cluster, job)
+    assert {pinned_host(pods[0]), pinned_host(pods[1])} == {"h100-a", "h100-b"}  # one Pod per node
+
+    # Each rank's Pod has a stable DNS name under rank 0's headless Service; the peer variables name them.
+    service_name = f"wz-{job.pk}"
+    peers = f"wz-{job.pk}-r0.{service_name}.{NS}.svc,wz-{job.pk}-r1.{service_name}.{NS}.svc"
+    for rank, pod in pods.items():
+        assert pod["spec"]["hostname"] == f"wz-{job.pk}-r{rank}" and pod["spec"]["subdomain"] == service_name
+        assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+        env = secret_env(emulated_cluster, pod["metadata"]["name"])
+        assert env["WHALEZEN_NUM_NODES"] == "2" and env["WHALEZEN_NUM_GPUS_PER_NODE"] == "4"
+        assert env["WHALEZEN_NODE_IPS"].replace("\n", ",") == peers
+        assert env["MASTER_ADDR"] == f"wz-{job.pk}-r0.{service_name}.{NS}.svc"
+        assert env["MASTER_PORT"] == secret_env(emulated_cluster, pods[0]["metadata"]["name"])["MASTER_PORT"]
+    service = emulated_cluster.get(SERVICES, NS, service_name)
+    assert service is not None and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"whalezen.io/job": str(job.pk)}
+    assert service["metadata"]["ownerReferences"][0]["name"] == pods[0]["metadata"]["name"]
+
+    # The gang runs once both Pods run, and succeeds once both exit 0.
+    for rank in (0, 1):
+        name = pods[rank]["metadata"]["name"]
+        emulated_cluster.bind(NS, name, pinned_host(pods[rank]))
+        emulated_cluster.set_phase(NS, name, "Running")
+        if rank == 0:
+            pump(bridge, lambda: job.events.filter(reason_code="GANG_STARTING").exists(),
+                 what="rank 0 to run")
+            assert state_of(job) == JobState.STARTING
+    pump(bridge, lambda: state_of(job) == JobState.RUNNING, what="the gang to run")
+    emulated_cluster.set_phase(NS, pods[0]["metadata"]["name"], "Succeeded", exit_code=0)
+    pump(bridge, lambda: emulated_cluster.pod(NS, pods[0]["metadata"]["name"]) is None,
+         what="rank 0's Pod to go")
+    assert state_of(job) == JobState.RUNNING  # rank 1 still works
+    emulated_cluster.set_phase(NS, pods[1]["metadata"]["name"], "Succeeded", exit_code=0)
+    pump(bridge, lambda: state_of(job) == JobState.SUCCEEDED, what="the gang to succeed")
+    pump(bridge, lambda: not our_pods(emulated_cluster), what="both Pods to be deleted")
+
+
+def test_one_rank_failing_fails_the_gang_and_deletes_the_other_ranks_pod(
+        live_server, acme, kube_pool, emulated_cluster, tmp_path, bridges):
+    pool, token = kube_pool
+    for name in ("h100-a", "h100-b"):
+        emulated_cluster.add_node(name, gpus=8)
+    # The bridge says so for every node of the cluster (--label fabric=infiniband).
+    bridges.append(bridge := make_bridge(live_server.url, emulated_cluster, token, tmp_path,
+                                         labels={"fabric": "infiniband"}))
+    pump(bridge, lambda: Node.objects.filter(pool=pool).count() == 2, what="both nodes to register")
+    job = submit(acme, resources={"gpus": 8, "nodes": 2}, image=IMAGE)
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert state_of(job) == JobState.PLACED, job.pending_reason
+    pods = gang_pods(bridge, emulated_cluster, job)
+    for pod in pods.values():
+        emulated_cluster.bind(NS, pod["metadata"]["name"], pinned_host(pod))
+        emulated_cluster.set_phase(NS, pod["metadata"]["name"], "Running")
+    pump(bridge, lambda: state_of(job) == JobState.RUNNING, what="the gang to run")
+
+    failing, survivor = pods[1]["metadata"]["name"], pods[0]["metadata"]["name"]
+    emulated_cluster.set_log(NS, failing, "NCCL error: unhandled system error\n")
+    emulated_cluster.set_phase(NS, failing, "Failed", exit_code=1, reason="Error")
+    pump(bridge, lambda: state_of(job) == JobState.FAILED, what="the gang to fail")
+    event = job.events.get(reason_code="JOB_FAILED")
+    assert event.message.startswith(f"rank 1 of 2 on {pinned_host(pods[1])} failed: exited with code 1"), \
+        event.message
+    assert "NCCL error" in job.events.get(reason_code="AGENT_FAILED").data["output_tail"]
+    # Rank 0 would wait for its peer until its own timeout: its Pod is deleted instead.
+    pump(bridge, lambda: emulated_cluster.pod(NS, survivor) is None,
+         what="the surviving rank's Pod to be deleted")
+    assert not our_pods(emulated_cluster)
+
+
+def test_a_gang_given_back_unscheduled_runs_again_under_a_peer_service_its_new_rank_0_owns(
+        live_server, acme, kube_pool, emulated_cluster, tmp_path, bridges):
+    pool, token = kube_pool
+    for name in ("h100-a", "h100-b"):
+        emulated_cluster.add_node(name, gpus=8)
+    bridges.append(bridge := make_bridge(live_server.url, emulated_cluster, token, tmp_path,
+                                         labels={"fabric": "infiniband"}))
+    pump(bridge, lambda: Node.objects.filter(pool=pool).count() == 2, what="both nodes to register")
+    job = submit(acme, resources={"gpus": 8, "nodes": 2}, image=IMAGE)
+    scheduling_cycle_run(tenant=acme.tenant)
+    first = gang_pods(bridge, emulated_cluster, job)
+    emulated_cluster.unschedulable(NS, first[1]["metadata"]["name"], "0/2 nodes are available: 1 node(s) had "
+                                   "untolerated taint {maintenance: true}.")
+    pump(bridge, lambda: state_of(job) == JobState.PENDING, what="the gang to go back to the queue")
+    pump(bridge, lambda: not our_pods(emulated_cluster), what="both ranks' Pods to be deleted")
+    assert "untolerated taint" in job.pending_reason
+    # Kubernetes' garbage collector deletes the Service after its owner, rank 0's first Pod, in its own time:
+    # here it has not yet. The next placement's rank 0 must take it over, or the collector takes it later.
+    assert emulated_cluster.get(SERVICES, NS, f"wz-{job.pk}") is not None
+
+    scheduling_cycle_run(tenant=acme.tenant)
+    assert state_of(job) == JobState.PLACED, job.pending_reason
+    again = gang_pods(bridge, emulated_cluster, job)
+    assert again[0]["metadata"]["name"] != first[0]["metadata"]["name"]
+    owners = emulated_cluster.get(SERVICES, NS, f"wz-{job.pk}")["metadata"]["ownerReferences"]
+    assert [owner["name"] for owner in owners] == [again[0]["metadata"]["name"]]

@@ -161,6 +161,28 @@ def test_a_child_that_dies_is_restarted_with_growing_backoff_and_logged(tmp_path
         supervisor.stop(grace_s=2)
 
 
+def test_a_child_that_needs_another_childs_file_starts_once_it_is_there_without_failing_first(tmp_path):
+    # The demo's bridge needs the kubeconfig its cluster writes (a port known only once the cluster runs).
+    kubeconfig = tmp_path / "kubeconfig"
+    cluster = _spec(tmp_path, "cluster", f"sleep 0.5; echo port > {kubeconfig}; sleep 60")
+    bridge = ChildSpec("bridge", ["/bin/sh", "-c", f"cat {kubeconfig} && sleep 60"], dict(os.environ),
+                       tmp_path / "bridge.log", after_file=kubeconfig)
+    lines: list[str] = []
+    supervisor = Supervisor([cluster, bridge], log=lines.append, backoff=Backoff(initial_s=0.1))
+    supervisor.start()
+    try:
+        waiting = supervisor.children["bridge"]
+        assert waiting.process is None and f"bridge starts once {kubeconfig} exists" in lines
+        _poll_until(supervisor, lambda: waiting.process is not None, 10)
+        time.sleep(0.3)
+        supervisor.poll()
+        assert waiting.process.poll() is None and waiting.restarts == 0
+        assert not [line for line in lines if "exited" in line or "restart" in line], lines
+    finally:
+        supervisor.stop(grace_s=2)
+    assert (tmp_path / "bridge.log").read_text().startswith("port")
+
+
 def test_stop_reaches_the_whole_group_and_kills_what_ignores_sigterm(tmp_path):
     # A child that ignores SIGTERM and has a grandchild in its group: both must be gone after stop().
     stubborn = _spec(tmp_path, "worker", "trap '' TERM; sleep 300 & sleep 301; wait")

@@ -12,6 +12,7 @@ import pytest
 from django.urls import Resolver404, resolve
 
 from bench.procs import free_port
+from broker.inventory.models import Gpu
 from broker.jobs.models import Job
 from broker.jobs.services import GpuRequest, allocation_commit, event_append, job_cancel, job_transition
 from broker.jobs.states import JobState
@@ -275,6 +276,13 @@ def test_nodes_pools_quota_tokens(wz, acme):
     revoked = wz("tokens", "revoke", str(created.json["id"]), "--json")
     assert revoked.code == 0 and revoked.json["active"] is False
     assert wz("ls", WHALEZEN_TOKEN=read_only).code == cli.EXIT_AUTH
+
+
+def test_nodes_count_a_gpu_held_outside_whalezen_as_taken(wz, acme):
+    # What the Kubernetes bridge reports for a GPU another team's pod requests: not free, though no job holds it.
+    Gpu.objects.filter(node=acme.nodes[0], index=7).update(held_outside=True)
+    rows = {line.split()[0]: line for line in wz("nodes").out.splitlines()[1:]}
+    assert " 7/8 " in rows[acme.nodes[0].name] and " 8/8 " in rows[acme.nodes[1].name]
 
 
 # -- billing routes (issue 13): present or clearly absent ------------------------------------------

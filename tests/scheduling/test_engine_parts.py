@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -60,6 +61,32 @@ def test_multi_node_gang_on_fast_fabric_nodes():
     assert {p.node_id for p in placement.parts} == {"ib0", "ib1"}
     assert all(len(p.gpu_indices) == 8 for p in placement.parts)
     assert plan_violations(snap, plan) == []
+
+
+def test_a_gang_spans_nodes_of_one_pool_that_differ_in_labels_or_running_jobs():
+    # Each node its own shape: a Kubernetes node's hostname label, or a job already running on one of them.
+    labelled = [dataclasses.replace(gpu_node(f"k{i}", fast_fabric=True),
+                                    labels={"kubernetes.io/hostname": f"k{i}"}) for i in range(2)]
+    busy = [gpu_node("ib0", fast_fabric=True), gpu_node("ib1", fast_fabric=True, used={7: 1000})]
+    for nodes in (labelled, busy):
+        snap = snapshot(nodes, [job("ddp", gpus=8, nodes=2)])
+        plan = schedule(snap, FAST)
+        placement = plan.placement_for("ddp")
+        assert placement is not None, plan.pending
+        assert {p.node_id for p in placement.parts} == {n.id for n in nodes}
+        assert all(len(p.gpu_indices) == 4 for p in placement.parts) and plan_violations(snap, plan) == []
+        assert schedule(snap, Policy(time_limit_s=5.0, preemption=False, defragmentation=False,
+                                     method="greedy")).placement_for("ddp") is not None
+
+
+def test_a_gang_does_not_span_two_pools_or_two_gpu_models():
+    pools = [gpu_node("a0", fast_fabric=True, pool="a"), gpu_node("b0", fast_fabric=True, pool="b")]
+    models = [gpu_node("a100", fast_fabric=True),
+              gpu_node("h100", fast_fabric=True, model="H100", memory_mb=80 * 1024)]
+    for nodes in (pools, models):
+        snap = snapshot(nodes, [job("ddp", gpus=8, nodes=2)])
+        plan = schedule(snap, FAST)
+        assert plan.placement_for("ddp") is None and "ddp" in plan.pending
 
 
 def test_shares_pack_onto_one_gpu():

@@ -37,6 +37,9 @@ class Command(BaseCommand):
         parser.add_argument("--context", default="", help="kubeconfig context (default: its current one)")
         parser.add_argument("--namespace", default="default", help="where the jobs' Pods go")
         parser.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE")
+        parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                            help="a label every node of the cluster gets, e.g. fabric=infiniband "
+                                 "(multi-node jobs need a fast fabric)")
         parser.add_argument("--toleration", action="append", default=[], metavar="JSON")
         parser.add_argument("--default-image", default="python:3.11-slim",
                             help="image of jobs that name none (a Pod needs one)")
@@ -46,21 +49,16 @@ class Command(BaseCommand):
         parser.add_argument("--server", default="http://127.0.0.1:8000", help="the broker URL the bridge uses")
 
     def handle(self, *args, tenant: str, pool: str, kubeconfig: str, context: str, namespace: str,
-               node_selector: list[str], toleration: list[str], default_image: str, rate: str | None,
+               node_selector: list[str], label: list[str], toleration: list[str], default_image: str,
+               rate: str | None,
                token_file: Path, server: str, **options):
         owner = Tenant.objects.filter(slug=tenant).first()
         if owner is None:
             raise CommandError(f"no tenant {tenant!r}")
         if not (kubeconfig == "in-cluster" or kubeconfig.startswith("env:") or os.path.isabs(kubeconfig)):
             raise CommandError("--kubeconfig: an absolute path, env:NAME or in-cluster")
-        selector = {}
-        for item in node_selector:
-            key, sep, value = item.partition("=")
-            why = label_key_problem(key) if sep else "expected KEY=VALUE"
-            why = why or label_value_problem(value)
-            if why:
-                raise CommandError(f"--node-selector {item!r}: {why}")
-            selector[key] = value
+        selector = _label_pairs(node_selector, "--node-selector")
+        labels = _label_pairs(label, "--label")
         tolerations = []
         for item in toleration:
             try:
@@ -71,7 +69,7 @@ class Command(BaseCommand):
                 raise CommandError(f"--toleration {item!r}: a JSON object of {sorted(_TOLERATION_KEYS)}")
             tolerations.append(value)
         config = {"kubeconfig": kubeconfig, "context": context, "namespace": namespace, "node_selector": selector,
-                  "tolerations": tolerations, "default_image": default_image}
+                  "labels": labels, "tolerations": tolerations, "default_image": default_image}
         with transaction.atomic():
             target, created = Pool.objects.get_or_create(tenant=owner, name=pool,
                                                          defaults={"kind": PoolKind.KUBERNETES})
@@ -94,7 +92,22 @@ class Command(BaseCommand):
             argv += ["--context", context]
         for key, value in selector.items():
             argv += ["--node-selector", f"{key}={value}"]
+        for key, value in labels.items():
+            argv += ["--label", f"{key}={value}"]
         for item in tolerations:
             argv += ["--toleration", json.dumps(item)]
         self.stdout.write(f"{'Added' if created else 'Updated'} Kubernetes pool {tenant}/{pool}; join token in "
                           f"{token_file}. Run the bridge where the kubeconfig is:\n  {shlex.join(argv)}")
+
+
+def _label_pairs(items: list[str], option: str) -> dict[str, str]:
+    """`KEY=VALUE` items in the Kubernetes label syntax, refused by item with what is wrong."""
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        why = label_key_problem(key) if sep else "expected KEY=VALUE"
+        why = why or label_value_problem(value)
+        if why:
+            raise CommandError(f"{option} {item!r}: {why}")
+        pairs[key] = value
+    return pairs

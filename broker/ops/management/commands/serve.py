@@ -119,8 +119,9 @@ class Command(BaseCommand):
                                                      "-s", str(Path(settings.VAR_DIR) / "celerybeat-schedule")],
                                    env, log_dir / "beat.log", cwd=root))
         if not options["no_agents"]:  # the opt-in demo Kubernetes cluster and its bridge (broker/ops/demo_kube.py)
-            specs += [ChildSpec(name, argv, env, log_dir / f"{name}.log", cwd=root)
-                      for name, argv in demo_kube_children(server_url=url, python=python)]
+            specs += [ChildSpec(child.name, child.argv, env, log_dir / f"{child.name}.log", cwd=root,
+                                after_file=child.after_file)
+                      for child in demo_kube_children(server_url=url, python=python)]
         return specs
 
     def _stop_with_make(self) -> None:
