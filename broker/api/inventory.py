@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 
 from broker.api.base import TenantReadOnlyViewSet
 from broker.api.schema import WhaleZenAutoSchema
-from broker.inventory.labels import valid_labels
+from broker.inventory.labels import POD_VISIBILITY_LABEL, valid_labels
 from broker.inventory.models import Gpu, GpuModel, Node, NodeState, Pool, PoolGrant
 from broker.inventory.selectors import nodes_usable_by, pools_usable_by
 from broker.jobs.models import AllocationSlice
@@ -59,12 +59,24 @@ class PoolSerializer(serializers.ModelSerializer):
         help_text="Whether more than one team may use the pool: a pool shared with the caller, or one the "
                   "caller's team owns and shares. Which other teams it is shared with is not shown.")
     owner = serializers.SerializerMethodField(help_text="The slug of the team that owns the pool.")
+    status = serializers.SerializerMethodField(
+        help_text="What limits how the pool is seen, one sentence each (empty when nothing does): e.g. a "
+                  "Kubernetes cluster that forbids listing pods in all namespaces.")
 
     class Meta:
         model = Pool
         fields = ["id", "name", "kind", "region", "gpu_hour_rate_usd", "cpu_rate_usd_per_core_hour",
                   "memory_rate_usd_per_gib_hour", "marginal_cost_usd_per_gpu_hour", "enabled",
-                  "node_count", "owned", "shared", "owner", "created_at"]
+                  "node_count", "owned", "shared", "owner", "status", "created_at"]
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_status(self, pool: Pool) -> list[str]:
+        if not getattr(pool, "namespace_only", False):
+            return []
+        namespace = (pool.provider_config or {}).get("namespace")
+        counted = f"namespace {namespace}" if namespace else "the bridge's own namespace"
+        return [f"The cluster forbids listing pods in all namespaces (403): free GPUs count only the pods of "
+                f"{counted}; GPUs that other namespaces' pods hold look free until kube-scheduler refuses a Pod."]
 
     def get_owned(self, pool: Pool) -> bool:
         return pool.tenant_id == _caller_tenant_id(self.context)
@@ -84,7 +96,10 @@ class PoolViewSet(TenantReadOnlyViewSet):
     """Pools the team may use: its own and those shared with it (another team's pool is 404)."""
 
     queryset = Pool.objects.select_related("tenant").annotate(
-        has_grants=Exists(PoolGrant.objects.filter(pool=OuterRef("pk"))))
+        has_grants=Exists(PoolGrant.objects.filter(pool=OuterRef("pk"))),
+        # The Kubernetes bridge labels each node with what it could count (agent/kube/bridge.py).
+        namespace_only=Exists(Node.objects.filter(pool=OuterRef("pk"), **{
+            f"labels__{POD_VISIBILITY_LABEL}": "namespace-only"})))
     serializer_class = PoolSerializer
     lookup_value_regex = "[0-9]+"  # ASCII digits only: `\d` and int() also take "²" or "٣"
     schema = WhaleZenAutoSchema()

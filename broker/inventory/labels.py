@@ -11,6 +11,9 @@ import re
 from typing import Any
 
 MAX_LABELS = 64
+# Set by the Kubernetes bridge on each node it registers (agent/kube/bridge.py VISIBILITY_LABEL): whether
+# it counts other namespaces' pods ("all-namespaces") or may not list them ("namespace-only").
+POD_VISIBILITY_LABEL = "whalezen.io/pod-visibility"
 _NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _PREFIX = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")

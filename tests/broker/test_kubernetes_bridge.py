@@ -56,7 +56,8 @@ def _quick_heartbeats(settings):
 def kube_pool(acme):
     """A Kubernetes pool as acme's only capacity (its simulated on-prem nodes are removed)."""
     Node.objects.filter(pool=acme.pool).delete()
-    pool = Pool.objects.create(tenant=acme.tenant, name="k8s", kind=PoolKind.KUBERNETES, region="dc1")
+    pool = Pool.objects.create(tenant=acme.tenant, name="k8s", kind=PoolKind.KUBERNETES, region="dc1",
+                               provider_config={"namespace": NS})  # as kubernetes_pool_add stores it
     return pool, pool_join_token_issue(pool=pool)
 
 
@@ -261,6 +262,14 @@ def test_without_permission_to_list_all_pods_only_the_namespace_is_counted(live_
     # The admin sees it on the node.
     (node,) = acme.client.get("/api/v1/nodes/").json()["results"]
     assert node["labels"]["whalezen.io/pod-visibility"] == "namespace-only"
+    # And in the pool's status, with the namespace it counts; another pool says nothing.
+    pools = {p["name"]: p for p in acme.client.get("/api/v1/pools/").json()["results"]}
+    (said,) = pools[pool.name]["status"]
+    assert "forbids listing pods in all namespaces (403)" in said and f"namespace {NS}" in said
+    assert pools["onprem"]["status"] == []
+    from agent.kube.bridge import VISIBILITY_LABEL
+    from broker.inventory.labels import POD_VISIBILITY_LABEL
+    assert VISIBILITY_LABEL == POD_VISIBILITY_LABEL  # the bridge writes the label the API reads
 
 
 def test_two_clusters_are_pools_of_one_decision(live_server, acme, kube_pool, emulated_cluster,
