@@ -114,8 +114,9 @@ def _home_by_defragmenting(problem: Problem, book: Book, source: int, allocation
     by_node = running_by_node(problem)
     options = []
     for position in owned_positions:
-        movable = [a for a in by_node.get(position, []) if a.job_id not in busy and can_move(a, policy)
-                   and a.demand is not None]
+        # As for defragmentation: never a job above the one it makes room for.
+        movable = [a for a in by_node.get(position, []) if a.job_id not in busy
+                   and can_move(a, policy, allocation.priority)]
         if not movable:
             continue
         found = minimal_victims(problem, demand, book, position, movable, plugins)
