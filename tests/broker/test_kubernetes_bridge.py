@@ -543,15 +543,20 @@ def test_a_two_node_gang_runs_as_one_pod_per_node_that_find_each_other_by_dns_na
     pump(bridge, lambda: not our_pods(emulated_cluster), what="both Pods to be deleted")
 
 
+def two_node_cluster(url: str, cluster, pool, token: str, tmp_path: Path, bridges: list) -> Bridge:
+    """Two 8-GPU nodes whose bridge says they share a fast fabric for every node (--label
+    fabric=infiniband), both registered; the bridge is in `bridges` (stopped after the test)."""
+    for name in ("h100-a", "h100-b"):
+        cluster.add_node(name, gpus=8)
+    bridges.append(bridge := make_bridge(url, cluster, token, tmp_path, labels={"fabric": "infiniband"}))
+    pump(bridge, lambda: Node.objects.filter(pool=pool).count() == 2, what="both nodes to register")
+    return bridge
+
+
 def test_one_rank_failing_fails_the_gang_and_deletes_the_other_ranks_pod(
         live_server, acme, kube_pool, emulated_cluster, tmp_path, bridges):
     pool, token = kube_pool
-    for name in ("h100-a", "h100-b"):
-        emulated_cluster.add_node(name, gpus=8)
-    # The bridge says so for every node of the cluster (--label fabric=infiniband).
-    bridges.append(bridge := make_bridge(live_server.url, emulated_cluster, token, tmp_path,
-                                         labels={"fabric": "infiniband"}))
-    pump(bridge, lambda: Node.objects.filter(pool=pool).count() == 2, what="both nodes to register")
+    bridge = two_node_cluster(live_server.url, emulated_cluster, pool, token, tmp_path, bridges)
     job = submit(acme, resources={"gpus": 8, "nodes": 2}, image=IMAGE)
     scheduling_cycle_run(tenant=acme.tenant)
     assert state_of(job) == JobState.PLACED, job.pending_reason
@@ -578,11 +583,7 @@ def test_one_rank_failing_fails_the_gang_and_deletes_the_other_ranks_pod(
 def test_a_gang_given_back_unscheduled_runs_again_under_a_peer_service_its_new_rank_0_owns(
         live_server, acme, kube_pool, emulated_cluster, tmp_path, bridges):
     pool, token = kube_pool
-    for name in ("h100-a", "h100-b"):
-        emulated_cluster.add_node(name, gpus=8)
-    bridges.append(bridge := make_bridge(live_server.url, emulated_cluster, token, tmp_path,
-                                         labels={"fabric": "infiniband"}))
-    pump(bridge, lambda: Node.objects.filter(pool=pool).count() == 2, what="both nodes to register")
+    bridge = two_node_cluster(live_server.url, emulated_cluster, pool, token, tmp_path, bridges)
     job = submit(acme, resources={"gpus": 8, "nodes": 2}, image=IMAGE)
     scheduling_cycle_run(tenant=acme.tenant)
     first = gang_pods(bridge, emulated_cluster, job)
