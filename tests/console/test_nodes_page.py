@@ -84,3 +84,20 @@ def test_a_gpu_that_a_pod_outside_whalezen_holds_is_shown_taken_not_free(acme, a
     assert node.count("free") == 7
     api = as_member.get(f"/api/v1/nodes/{acme.nodes[0].pk}/").json()
     assert [g["held_outside"] for g in api["gpus"]] == [False] * 7 + [True]
+
+
+def test_a_kubernetes_pool_that_cannot_see_other_namespaces_says_so_above_its_nodes(acme, as_member):
+    """The bridge labels the nodes of a cluster that answered 403 to listing all pods; the pool's card
+    says what that means, with the namespace counted; a pool without it says nothing."""
+    from broker.inventory.models import Pool, PoolKind
+
+    acme.pool.kind, acme.pool.provider_config = PoolKind.KUBERNETES, {"namespace": "ml-jobs"}
+    acme.pool.save()
+    for node in acme.nodes:
+        node.labels = {**node.labels, "whalezen.io/pod-visibility": "namespace-only"}
+        node.save()
+    Pool.objects.create(tenant=acme.tenant, name="zz-other", kind=PoolKind.ONPREM, region="dc2")
+    text = text_of(as_member.get("/nodes/"))
+    warned, other = text.split("zz-other", 1)
+    assert "forbids listing pods in all namespaces (403)" in warned and "namespace ml-jobs" in warned
+    assert "forbids" not in other
