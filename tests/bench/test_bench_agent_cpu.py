@@ -7,9 +7,16 @@ import sys
 from bench.agent_cpu import window
 
 
+def _started(code: str) -> subprocess.Popen:
+    """A child that says it is ready before its loop, so the interpreter's start-up falls outside the window."""
+    child = subprocess.Popen([sys.executable, "-c", f"print('ready', flush=True)\n{code}"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
 def test_a_window_tells_a_spinning_process_from_a_sleeping_one():
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    sleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    spin = _started("while True: pass")
+    sleep = _started("import time; time.sleep(60)")
     try:
         measured = window({spin.pid: "spin", sleep.pid: "sleep"}, 2.0)
     finally:
