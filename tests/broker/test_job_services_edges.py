@@ -75,6 +75,18 @@ def test_a_cancel_gives_up_after_five_races_with_a_conflict(acme, monkeypatch):
     assert job.state != JobState.CANCELLED
 
 
+def test_a_job_in_a_state_this_version_does_not_know_is_refused_as_a_409(acme):
+    """A row in a state outside the table (written by a newer release, or by hand) cannot be moved:
+    the user gets the same 409 as for any refused transition, not a server error, and the row stays."""
+    job = _force(submit(acme), "ARCHIVED")
+    resp = acme.client.post(f"{JOBS}/{job.pk}/cancel/")
+    assert resp.status_code == 409
+    assert resp.json() == {"state": ["A job cannot go from ARCHIVED to CANCELLED."],
+                           "code": "illegal_transition"}
+    job.refresh_from_db()
+    assert job.state == "ARCHIVED"
+
+
 # -- other refusals ----------------------------------------------------------------------------------
 def test_a_job_over_the_gpu_quota_is_a_400_on_resources(acme):
     acme.tenant.quota.max_gpus = 1
