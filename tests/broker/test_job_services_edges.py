@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.jobs import services
-from broker.jobs.models import AllocationSlice, Job, JobEvent
+from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
 from broker.jobs.services import (DoubleBooking, GpuRequest, JobError, StaleState, allocation_commit,
                                   job_cancel, job_set_pending_reason, job_transition)
 from broker.jobs.states import JobState
@@ -196,3 +197,102 @@ def test_a_reason_for_a_job_placed_meanwhile_is_dropped(acme):
     assert not JobEvent.objects.filter(job=job, kind="pending_reason").exists()
     shown = acme.client.get(f"{JOBS}/{job.pk}/").json()
     assert shown["state"] == JobState.PLACED
+
+
+# -- placing a job -----------------------------------------------------------------------------------
+def test_a_placement_is_logged_with_where_it_went_and_moves_the_nodes_epoch_on(acme):
+    node = acme.nodes[0]
+    epoch = node.epoch
+    job = submit(acme, resources={"gpus": 2})
+    (alloc,) = allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0, 1))])
+    node.refresh_from_db()
+    assert node.epoch == epoch + 1 and alloc.epoch == node.epoch
+    held = list(AllocationSlice.objects.filter(allocation=alloc).values_list("gpu__index", flat=True))
+    assert sorted(held) == [0] * Gpu.SLOTS + [1] * Gpu.SLOTS, "every slot of GPUs 0 and 1"
+    event = JobEvent.objects.filter(job=job, kind="state").latest("id")
+    assert (event.reason_code, event.message) == ("PLACED", f"Placed on {node.name}[0,1]")
+    assert event.data == {"from": "PENDING", "to": "PLACED",
+                          "placements": [{"node": node.name, "gpus": [0, 1], "milli": 1000}]}
+
+
+def _refused_placement(acme, job, request) -> JobError:
+    with pytest.raises(JobError) as caught:
+        allocation_commit(job=job, requests=[request])
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    assert not AllocationSlice.objects.filter(allocation__job=job).exists(), "nothing half-written"
+    return caught.value
+
+
+def test_a_gpu_index_the_node_does_not_have_is_refused_on_gpus(acme):
+    node = acme.nodes[0]
+    err = _refused_placement(acme, submit(acme, resources={"gpus": 2}), GpuRequest(node=node, gpu_indices=(0, 99)))
+    assert (str(err), err.field, err.code) == (f"Node {node.name} has no GPU index among [0, 99].", "gpus",
+                                               "invalid")
+
+
+def test_a_failed_gpu_is_refused_on_gpus(acme):
+    node = acme.nodes[0]
+    node.gpus.filter(index=1).update(health=GpuHealth.FAILED)
+    err = _refused_placement(acme, submit(acme, resources={"gpus": 2}), GpuRequest(node=node, gpu_indices=(0, 1)))
+    assert (str(err), err.field, err.code) == (f"A requested GPU on {node.name} has failed.", "gpus", "invalid")
+
+
+def test_a_draining_node_is_refused_on_node(acme):
+    node = acme.nodes[0]
+    Node.objects.filter(pk=node.pk).update(state=NodeState.DRAINING)
+    err = _refused_placement(acme, submit(acme), GpuRequest(node=node, gpu_indices=(0,)))
+    assert (str(err), err.field, err.code) == (f"Node {node.name} is DRAINING.", "node", "invalid")
+
+
+def test_another_teams_node_is_refused_as_no_pool_access(acme, globex):
+    node = globex.nodes[0]
+    err = _refused_placement(acme, submit(acme), GpuRequest(node=node, gpu_indices=(0,)))
+    assert (str(err), err.field, err.code) == (f"Node {node.name} is in a pool this team may not use.", "node",
+                                               "no_pool_access")
+
+
+# -- moving a job between states ---------------------------------------------------------------------
+def test_a_job_sent_back_to_the_queue_without_words_says_requeued(acme):
+    job = submit(acme)
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
+    job = job_transition(job=job, to=JobState.PENDING)
+    assert (job.pending_reason_code, job.pending_reason, job.pending_reason_data) == ("REQUEUED",
+                                                                                      "Back in the queue.", {})
+    assert job.next_attempt_at is not None
+    assert not AllocationSlice.objects.filter(allocation__job=job, active=True).exists(), "its GPUs are free"
+    event = JobEvent.objects.filter(job=job, kind="state").latest("id")
+    assert (event.reason_code, event.message, event.data) == ("", "PLACED → PENDING",
+                                                              {"from": "PLACED", "to": "PENDING"})
+
+
+def test_a_job_leaving_the_queue_forgets_why_it_waited_and_records_when_it_ran_and_ended(acme):
+    job = submit(acme)
+    job_set_pending_reason(job=job, code="INSUFFICIENT_GPUS", message="0/2 nodes fit", data={"nodes_fit": 0})
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
+    job.refresh_from_db()
+    assert (job.pending_reason_code, job.pending_reason, job.pending_reason_data) == ("", "", {})
+    assert job.started_at is None and job.finished_at is None
+    job = job_transition(job=job, to=JobState.STARTING)
+    job = job_transition(job=job, to=JobState.RUNNING)
+    assert job.started_at is not None and job.finished_at is None
+    job = job_transition(job=job, to=JobState.SUCCEEDED)
+    assert job.finished_at is not None and job.finished_at >= job.started_at
+    assert not AllocationSlice.objects.filter(allocation__job=job, active=True).exists(), "its GPUs are free"
+
+
+def test_a_preempted_job_hands_its_gpus_over(acme):
+    job = submit(acme)
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
+    for state in (JobState.STARTING, JobState.RUNNING, JobState.PREEMPTED):
+        job = job_transition(job=job, to=state)
+    assert not AllocationSlice.objects.filter(allocation__job=job, active=True).exists()
+    assert Allocation.objects.get(job=job).active is False
+
+
+def test_a_caller_of_a_deleted_job_is_told_it_was_deleted(acme):
+    job = submit(acme)
+    Job.objects.filter(pk=job.pk).delete()
+    with pytest.raises(StaleState) as caught:
+        job_transition(job=job, to=JobState.CANCELLED)
+    assert (caught.value.expected, caught.value.actual) == (JobState.PENDING, "deleted")
