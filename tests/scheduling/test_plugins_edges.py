@@ -12,7 +12,7 @@ import pytest
 
 from engine_factories import FAST, budget, gpu_node, job, offer, snapshot
 from scheduling.engine import schedule
-from scheduling.model import OwnerBudget, ReasonCode
+from scheduling.model import OwnerBudget, QuotaShare, ReasonCode
 from scheduling.plugins import resolve_filters, resolve_scores
 
 
@@ -219,3 +219,28 @@ def test_an_unknown_filter_or_score_is_named_with_the_known_ones():
     with pytest.raises(KeyError, match=r"unknown score terms \['carbon'\]; known: \['fragmentation', 'money', "
                                        r"'waiting'\]"):
         resolve_scores({"money": 1.0, "carbon": 1.0})
+
+
+# -- teams' quotas of owned GPUs ---------------------------------------------------------------------
+STRICT = replace(FAST, borrowing=False)
+
+
+def test_under_strict_quotas_a_job_past_its_teams_nominal_is_told_so_not_that_others_took_the_capacity():
+    snap = snapshot([gpu_node("n", price=0.0)], [job("big", gpus=4)],
+                    quotas=(QuotaShare("acme", "A100", 2.0), QuotaShare("globex", "A100", 6.0)))
+    plan = schedule(snap, STRICT)
+    assert plan.placement_for("big") is None
+    reason = plan.pending["big"]
+    assert reason.code == ReasonCode.NOMINAL_QUOTA_USED
+    assert "0/1 nodes fit: 1 would take team acme past its quota of owned GPUs" in reason.message
+    assert "CAPACITY_TAKEN" not in reason.message
+    assert reason.data["rejections"] == {"team_quota": 1}
+
+
+def test_a_compute_unit_job_counts_against_a_teams_quota_in_gpus_of_the_model_it_gets():
+    # 4 CU on H100s (2 CU each) is 2 GPUs: exactly the team's nominal 2 H100s.
+    h100 = gpu_node("h", model="H100", memory_mb=80 * 1024, price=0.0)
+    snap = snapshot([h100], [job("cu", compute_units=4.0)],
+                    quotas=(QuotaShare("acme", "H100", 2.0), QuotaShare("globex", "H100", 6.0)))
+    placement = schedule(snap, STRICT).placement_for("cu")
+    assert placement is not None and len(placement.gpu_indices) == 2
