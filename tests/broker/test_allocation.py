@@ -7,6 +7,7 @@ import pytest
 from django.db import IntegrityError, close_old_connections, connection, transaction
 
 from broker.jobs.models import Allocation, AllocationSlice, Job
+from broker.jobs import services
 from broker.jobs.services import DoubleBooking, GpuRequest, JobError, allocation_commit, job_cancel
 from broker.jobs.states import JobState
 
@@ -95,6 +96,49 @@ def test_two_transactions_racing_for_one_gpu_exactly_one_succeeds(acme):
         assert sorted(results) == ["ok", "refused"]
         holders = AllocationSlice.objects.filter(gpu__node=node, gpu__index=round_, active=True)
         assert holders.values("allocation__job").distinct().count() == 1
+
+
+@requires_postgres
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_two_commits_on_different_nodes_cannot_both_pass_the_gpu_quota(acme, monkeypatch):
+    """The tenant's row lock serialises quota checks. Each commit waits, after its own check, for the
+    other to have checked too (a barrier with a timeout): with the lock the second is still blocked on
+    the tenant, the wait times out and only the first gets its GPU; without it both would pass."""
+    acme.tenant.quota.max_gpus = 1
+    acme.tenant.quota.save()
+    real_check = services._check_quota
+    barrier = threading.Barrier(2, timeout=2)
+
+    def check_then_wait(**kwargs):
+        real_check(**kwargs)
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
+
+    monkeypatch.setattr(services, "_check_quota", check_then_wait)
+    jobs = [submit(acme, name=f"q{i}") for i in range(2)]
+    results: list[str] = []
+
+    def run(job: Job, node) -> None:
+        close_old_connections()
+        try:
+            allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+            results.append("ok")
+        except JobError as err:
+            results.append(err.code)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(job, node)) for job, node in zip(jobs, acme.nodes[:2])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["ok", "quota"]
+    assert AllocationSlice.objects.filter(allocation__job__tenant=acme.tenant, active=True).values(
+        "gpu").distinct().count() == 1
 
 
 def _slice_on(acme, *, gpu_index: int, slot: int, active: bool = True) -> AllocationSlice:
