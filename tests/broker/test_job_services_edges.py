@@ -216,6 +216,18 @@ def test_a_placement_is_logged_with_where_it_went_and_moves_the_nodes_epoch_on(a
                           "placements": [{"node": node.name, "gpus": [0, 1], "milli": 1000}]}
 
 
+def test_a_placement_planned_for_a_pending_job_does_not_land_on_it_once_it_moved_on(acme):
+    """The commit's compare-and-set is on the state the caller planned from (PENDING by default), not
+    on whatever the job object says now: a job that meanwhile went to MIGRATING keeps what it has."""
+    job = _force(submit(acme), JobState.MIGRATING)
+    with pytest.raises(StaleState) as caught:
+        allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
+    assert (caught.value.expected, caught.value.actual) == (JobState.PENDING, JobState.MIGRATING)
+    job.refresh_from_db()
+    assert job.state == JobState.MIGRATING
+    assert not AllocationSlice.objects.filter(allocation__job=job).exists(), "nothing half-written"
+
+
 def _refused_placement(acme, job, request) -> JobError:
     with pytest.raises(JobError) as caught:
         allocation_commit(job=job, requests=[request])
