@@ -216,6 +216,15 @@ def test_a_placement_is_logged_with_where_it_went_and_moves_the_nodes_epoch_on(a
                           "placements": [{"node": node.name, "gpus": [0, 1], "milli": 1000}]}
 
 
+def test_a_placement_on_two_nodes_names_both(acme):
+    first, second = acme.nodes[:2]
+    job = submit(acme, resources={"gpus": 2})
+    allocation_commit(job=job, requests=[GpuRequest(node=first, gpu_indices=(0,)),
+                                         GpuRequest(node=second, gpu_indices=(3,))])
+    event = JobEvent.objects.filter(job=job, kind="state").latest("id")
+    assert event.message == f"Placed on {first.name}[0], {second.name}[3]"
+
+
 def test_a_placement_planned_for_a_pending_job_does_not_land_on_it_once_it_moved_on(acme):
     """The commit's compare-and-set is on the state the caller planned from (PENDING by default), not
     on whatever the job object says now: a job that meanwhile went to MIGRATING keeps what it has."""
