@@ -285,6 +285,8 @@ def test_a_job_sent_back_to_the_queue_without_words_says_requeued(acme):
                                                                                       "Back in the queue.", {})
     assert job.next_attempt_at is not None and job.next_attempt_at >= before, "the next cycle may try it at once"
     assert not AllocationSlice.objects.filter(allocation__job=job, active=True).exists(), "its GPUs are free"
+    released = Allocation.objects.get(job=job)
+    assert released.stop_unconfirmed is False, "a normal release makes the next start wait for nothing"
     event = JobEvent.objects.filter(job=job, kind="state").latest("id")
     assert (event.reason_code, event.message, event.data) == ("", "PLACED → PENDING",
                                                               {"from": "PLACED", "to": "PENDING"})
