@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -439,6 +440,7 @@ def wait_for(until, *, what: str, limit_s: float = 30.0):
     raise AssertionError(f"gave up waiting for {what}")
 
 
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus (.ci/run installs it)")
 def test_gpu_readings_and_xid_health_come_from_the_sites_prometheus(live_server, acme, kube_pool, emulated_cluster,
                                                                      tmp_path, bridges):
     """The cluster's dcgm-exporter (here: our exporter's same names, on fake GPUs, labelled with the node's name)
