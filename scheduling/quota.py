@@ -176,15 +176,17 @@ class QuotaLedger:
             for flavor, amount in self.amounts(model_at(node, index), min(gpu_milli, WHOLE_GPU_MILLI) / WHOLE_GPU_MILLI):
                 self.usage[team, flavor] -= amount
 
-    def describe(self, team: str, flavor: str) -> dict[str, float | str | None]:
-        """The numbers behind a quota reason."""
+    def describe(self, team: str, flavor: str, no_borrowing: str = "") -> dict[str, float | str | None]:
+        """The numbers behind a quota reason. `no_borrowing`: why this job may not borrow at all
+        (strict quotas, or a job that cannot be preempted), which leaves it nothing to borrow."""
         limits = self.limits_of(team, flavor)
-        borrow_left = (None if limits.borrowing_limit is None
+        borrow_left = (0.0 if no_borrowing else None if limits.borrowing_limit is None
                        else max(0.0, limits.nominal + limits.borrowing_limit - self.usage[team, flavor]
                                 - self.nominal_left(team, flavor)))
         return {"team": team, "flavor": flavor, "used": round(self.usage[team, flavor], 3),
                 "nominal": limits.nominal, "borrowing_limit": limits.borrowing_limit,
                 "borrow_left": None if borrow_left is None else round(borrow_left, 3),
+                "no_borrowing": no_borrowing,
                 "cohort_idle": round(self.idle(flavor, team), 3),
                 "fair_share_factor": round(self.factor.get(team, 1.0), 4)}
 
@@ -254,7 +256,8 @@ def quota_message(code: str, info: dict, amount: float) -> str:
     if code == "BORROWING_LIMIT":
         return (f"BORROWING_LIMIT: {team} uses {used:g}/{nominal:g} nominal {flavor} and its borrowing limit "
                 f"is {info['borrowing_limit']:g}; this job needs {amount:g} more")
-    borrow = ("may borrow without limit" if info["borrow_left"] is None
+    borrow = (f"may not borrow ({info['no_borrowing']})" if info.get("no_borrowing")
+              else "may borrow without limit" if info["borrow_left"] is None
               else f"may borrow {info['borrow_left']:g} more")
     return (f"NOMINAL_QUOTA_USED: {team} uses {used:g}/{nominal:g} nominal {flavor} and {borrow}; the cohort "
             f"has {info['cohort_idle']:g} idle, this job needs {amount:g}")

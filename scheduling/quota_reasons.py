@@ -61,7 +61,11 @@ def annotate_quota_steps(problem: Problem, book: Book, reasons: dict[str, Reason
         share = problem.pricing.gpu_share(job, model)
         blocking = ledger.blocking_flavor(job, model, share, borrowing=problem.ctx.borrowing)
         flavor, amount = blocking if blocking is not None else ledger.amounts(model, share)[0]
-        info = ledger.describe(job.tenant, flavor)
+        # The same two rules as QuotaLedger.admits: strict quotas, or a job that cannot be preempted
+        # (a borrowed GPU must be reclaimable).
+        no_borrowing = ("strict quotas" if not problem.ctx.borrowing
+                        else "the job cannot be preempted" if not job.preemptible else "")
+        info = ledger.describe(job.tenant, flavor, no_borrowing)
         data["quota"] = {"step": step, **info}
         code, message = reason.code, reason.message
         if blocking is not None and code in QUOTA_MAY_EXPLAIN:

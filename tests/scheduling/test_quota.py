@@ -61,7 +61,8 @@ def test_a_team_borrows_what_others_leave_idle_and_strict_quotas_do_not():
     assert placed_by_team(strict) == {"acme": 8}
     reason = strict.pending["acme8"]
     assert reason.code == ReasonCode.NOMINAL_QUOTA_USED
-    assert "acme uses 8/8 nominal A100" in reason.message
+    assert "acme uses 8/8 nominal A100 and may not borrow (strict quotas)" in reason.message
+    assert reason.data["quota"]["borrow_left"] == 0
 
 
 def test_borrowing_stops_at_the_borrowing_limit_with_the_numbers():
@@ -117,6 +118,9 @@ def test_a_job_that_cannot_be_preempted_never_borrows():
     plan = schedule(snap, POLICY)
     assert placed_by_team(plan) == {"acme": 8}
     assert plan_violations(snap, plan) == []
+    reason = plan.pending["acme8"]
+    assert reason.code == ReasonCode.NOMINAL_QUOTA_USED
+    assert "may not borrow (the job cannot be preempted)" in reason.message
 
 
 def test_fair_share_lets_the_less_served_team_borrow_first():
