@@ -58,7 +58,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--broker-moves", type=int, default=8, help="whalezen-batch: migrations per cycle")
     p.add_argument("--no-bound", action="store_true", help="skip the LP upper bound")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--placements-out", help="CSV of whalezen-online's placements for the first seed")
+    p.add_argument("--placements-out", help="CSV of one policy's placements for the first seed")
+    p.add_argument("--placements-policy", default="whalezen-online",
+                   help="whose placements --placements-out writes: an online policy or whalezen-broker "
+                        "(its final positions, after migrations)")
     p.add_argument("--curve", action="store_true",
                    help="print the mean allocation at every integer point from --curve-from to the target")
     p.add_argument("--curve-from", type=int, default=50)
@@ -143,6 +146,8 @@ def plot(out: str, curves: dict[str, dict[int, float]], published: dict[str, dic
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.placements_out and args.placements_policy == BATCH:
+        raise SystemExit("--placements-policy: whalezen-batch does not record its placements")
     nodes = read_nodes(args.nodes)
     tasks = read_tasks(args.pods)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -165,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for name in names:
             rng = np.random.default_rng([seed, 1])
             t0 = time.perf_counter()
-            record = bool(args.placements_out) and i == 0 and name == "whalezen-online"
+            record = bool(args.placements_out) and i == 0 and name == args.placements_policy
             if name == BROKER:
                 from scheduling.sim.engine_broker import run_engine_broker
 

@@ -133,3 +133,26 @@ def test_placement_check_refuses_over_allocation_and_a_wrong_model(tmp_path: Pat
 def test_read_back_of_generated_files_is_consistent(tmp_path: Path) -> None:
     npath, ppath = write_data(tmp_path)
     assert len(read_nodes(npath)) == 9 and len(read_tasks(ppath)) == 40
+
+
+def test_engine_broker_placements_on_a_derived_list_pass_the_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    npath, ppath = write_data(tmp_path)
+    placements = tmp_path / "placements.csv"
+    fragmentation.main(["--nodes", str(npath), "--pods", str(ppath), "--derive", "constrained", "--seeds", "1",
+                        "--policies", "whalezen-broker,fgd", "--broker-every", "5", "--no-bound", "--json",
+                        "--placements-out", str(placements), "--placements-policy", "whalezen-broker"])
+    capsys.readouterr()
+    with open(placements, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["name"].split("#")[0].startswith("t") for r in rows)
+    assert placement_check.main(["--nodes", str(npath), "--pods", str(ppath), "--derive", "constrained",
+                                 "--placements", str(placements)]) == len(rows)
+
+
+def test_whalezen_batch_placements_are_refused(tmp_path: Path) -> None:
+    npath, ppath = write_data(tmp_path)
+    with pytest.raises(SystemExit):
+        fragmentation.main(["--nodes", str(npath), "--pods", str(ppath), "--seeds", "1", "--policies",
+                            "whalezen-batch", "--placements-out", str(tmp_path / "p.csv"),
+                            "--placements-policy", "whalezen-batch"])
