@@ -210,9 +210,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         s = result["policies"][n]
         print(f"{n:<18}{s['alloc_at_100']:>10.2f}{s['alloc_at_130']:>10.2f}"
               f"{s['unallocated_at_130']:>14.1f}{s['seconds_per_seed']:>8.2f}")
-    print(f"LP upper bound: at least {result['upper_bound_unallocated_at_130']} GPUs unallocated at 130% "
-          f"(any policy choosing freely among all arrived tasks), {result['upper_bound_unallocated_at_100']} "
-          f"at 100% (only the tasks arrived by then)")
+    if bounds:
+        print(f"LP upper bound: at least {result['upper_bound_unallocated_at_130']} GPUs unallocated at 130% "
+              f"(any policy choosing freely among all arrived tasks), {result['upper_bound_unallocated_at_100']} "
+              f"at 100% (only the tasks arrived by then)")
     if args.curve:
         print(curve_table(curves, names, points))
     if args.out:
