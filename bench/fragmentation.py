@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bench.derive import DERIVATIONS, derive
 from bench.loaders import read_nodes, read_tasks
 from bench.plots import pyplot, save
 from scheduling.fragmentation import workload_from_tasks
@@ -46,6 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.fragmentation", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", required=True, help="node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
     p.add_argument("--pods", required=True, help="task list CSV (openb_pod_list_*.csv)")
+    p.add_argument("--derive", choices=DERIVATIONS,
+                   help="run on a list derived per seed from --pods (bench/derive.py): share, multigpu, constrained")
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--first-seed", type=int, default=42, help="the published runs use 42..51")
     p.add_argument("--target", type=float, default=1.3, help="arrived demand to stop at (1.3 = 130%%)")
@@ -55,7 +58,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--broker-moves", type=int, default=8, help="whalezen-batch: migrations per cycle")
     p.add_argument("--no-bound", action="store_true", help="skip the LP upper bound")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--placements-out", help="CSV of whalezen-online's placements for the first seed")
+    p.add_argument("--placements-out", help="CSV of one policy's placements for the first seed")
+    p.add_argument("--placements-policy", default="whalezen-online",
+                   help="whose placements --placements-out writes: an online policy or whalezen-broker "
+                        "(its final positions, after migrations)")
+    p.add_argument("--curve", action="store_true",
+                   help="print the mean allocation at every integer point from --curve-from to the target")
+    p.add_argument("--curve-from", type=int, default=50)
     p.add_argument("--out", help="folder for the allocation-curve PNG")
     p.add_argument("--published", help="fgd_allo.csv to overlay the published curves on the plot")
     return p.parse_args(argv)
@@ -73,6 +82,26 @@ def mean_curve(runs: list[ProtocolRun]) -> dict[int, float]:
     curves = [r.curve() for r in runs]
     keys = sorted(set().union(*curves))
     return {k: float(np.mean([c[k] for c in curves if k in c])) for k in keys}
+
+
+def behind(curve: dict[int, float], ref: dict[int, float], points: range) -> list[int]:
+    """Integer points where ``curve`` allocates less than ``ref`` (both means over seeds)."""
+    return [k for k in points if k in curve and k in ref and curve[k] < ref[k]]
+
+
+def curve_table(curves: dict[str, dict[int, float]], names: list[str], points: range) -> str:
+    """One row per integer point of arrived demand, one column per policy, then where each trails FGD."""
+    width = max(10, *(len(n) + 1 for n in names))
+    lines = ["arrived" + "".join(f"{n:>{width}}" for n in names)]
+    for k in points:
+        lines.append(f"{k:>6}%" + "".join(
+            f"{curves[n][k]:>{width}.2f}" if k in curves[n] else " " * (width - 1) + "-" for n in names))
+    if "fgd" in curves:
+        for n in names:
+            if n != "fgd":
+                pts = behind(curves[n], curves["fgd"], points)
+                lines.append(f"{n} behind fgd at {len(pts)} points" + (f": {pts}" if pts else ""))
+    return "\n".join(lines)
 
 
 def write_placements(path: str, run: ProtocolRun, names: list[str]) -> None:
@@ -117,11 +146,11 @@ def plot(out: str, curves: dict[str, dict[int, float]], published: dict[str, dic
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.placements_out and args.placements_policy == BATCH:
+        raise SystemExit("--placements-policy: whalezen-batch does not record its placements")
     nodes = read_nodes(args.nodes)
     tasks = read_tasks(args.pods)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    workload = workload_from_tasks(
-        [(t.cpu_milli, t.memory_mib, t.gpu_milli, t.num_gpu, t.gpu_models) for t in tasks])
     cluster = ArrayCluster(nodes)
     total_gpus = cluster.total_gpu_milli / MILLI
     target_pct = int(round(args.target * 100))
@@ -131,12 +160,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     bounds100: list[float] = []
     for i in range(args.seeds):
         seed = args.first_seed + i
-        arrivals: list[TaskSpec] = build_arrivals(tasks, cluster.total_gpu_milli,
+        # A derived list is drawn per seed (only `constrained` on a list naming no model uses the
+        # draw); the typical-task workload is always that of the list actually run.
+        seed_tasks = derive(tasks, args.derive, nodes, np.random.default_rng([seed, 2])) if args.derive else tasks
+        workload = workload_from_tasks(
+            [(t.cpu_milli, t.memory_mib, t.gpu_milli, t.num_gpu, t.gpu_models) for t in seed_tasks])
+        arrivals: list[TaskSpec] = build_arrivals(seed_tasks, cluster.total_gpu_milli,
                                                   np.random.default_rng(seed), args.target)
         for name in names:
             rng = np.random.default_rng([seed, 1])
             t0 = time.perf_counter()
-            record = bool(args.placements_out) and i == 0 and name == "whalezen-online"
+            record = bool(args.placements_out) and i == 0 and name == args.placements_policy
             if name == BROKER:
                 from scheduling.sim.engine_broker import run_engine_broker
 
@@ -158,26 +192,35 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(f"seed {seed}: " + ", ".join(
             f"{n} {runs[n][-1].alloc_at(target_pct):.2f}%" for n in names), file=sys.stderr, flush=True)
     result: dict = {"total_gpus": int(total_gpus), "seeds": args.seeds,
-                    "pods": Path(args.pods).name,
+                    "pods": Path(args.pods).name, "derive": args.derive,
                     "upper_bound_unallocated_at_130": (
                         round(total_gpus - float(np.mean(bounds)) / MILLI, 1) if bounds else None),
                     "upper_bound_unallocated_at_100": (
                         round(total_gpus - float(np.mean(bounds100)) / MILLI, 1) if bounds100 else None),
                     "policies": {n: summarise(runs[n], total_gpus, target_pct) for n in names}}
+    curves = {n: mean_curve(runs[n]) for n in names}
+    points = range(args.curve_from, target_pct + 1)
     for n in names:
         result["policies"][n]["seconds_per_seed"] = round(seconds[n] / max(args.seeds, 1), 2)
+        result["policies"][n]["curve"] = {str(k): round(curves[n][k], 3) for k in points if k in curves[n]}
+        if "fgd" in curves and n != "fgd":
+            result["policies"][n]["behind_fgd_at"] = behind(curves[n], curves["fgd"], points)
     print(f"{'policy':<18}{'alloc@100':>10}{'alloc@130':>10}{'unalloc GPUs':>14}{'s/seed':>8}")
     for n in names:
         s = result["policies"][n]
         print(f"{n:<18}{s['alloc_at_100']:>10.2f}{s['alloc_at_130']:>10.2f}"
               f"{s['unallocated_at_130']:>14.1f}{s['seconds_per_seed']:>8.2f}")
-    print(f"LP upper bound: at least {result['upper_bound_unallocated_at_130']} GPUs unallocated at 130% "
-          f"(any policy choosing freely among all arrived tasks), {result['upper_bound_unallocated_at_100']} "
-          f"at 100% (only the tasks arrived by then)")
+    if bounds:
+        print(f"LP upper bound: at least {result['upper_bound_unallocated_at_130']} GPUs unallocated at 130% "
+              f"(any policy choosing freely among all arrived tasks), {result['upper_bound_unallocated_at_100']} "
+              f"at 100% (only the tasks arrived by then)")
+    if args.curve:
+        print(curve_table(curves, names, points))
     if args.out:
-        pub = published_curves(args.published, args.pods) if args.published else {}
-        path = plot(args.out, {n: mean_curve(runs[n]) for n in names}, pub,
-                    f"{Path(args.pods).stem}, mean of {args.seeds} seeds")
+        # the published curves are of the published lists, not of a derived one
+        pub = published_curves(args.published, args.pods) if args.published and not args.derive else {}
+        label = Path(args.pods).stem + (f" --derive {args.derive}" if args.derive else "")
+        path = plot(args.out, curves, pub, f"{label}, mean of {args.seeds} seeds")
         print(f"plot: {path}")
     if args.json:
         print(json.dumps(result))

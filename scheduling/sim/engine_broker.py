@@ -86,4 +86,6 @@ def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workl
     total = cluster.total_gpu_milli
     run = ProtocolRun(100.0 * np.cumsum(demand) / total, 100.0 * np.cumsum(got) / total)
     run.dropped = len(arrivals) - len(placed)
+    # where each placed task ended (after any migration), for an independent replay
+    run.placements = [(task.name, node, list(gpus)) for _, (task, node, gpus) in sorted(placed.items())]
     return run
