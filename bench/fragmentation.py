@@ -43,6 +43,13 @@ BATCH = "whalezen-batch"
 ALL_POLICIES = (ONLINE_POLICIES[0], BROKER, BATCH) + ONLINE_POLICIES[1:]
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, not {text}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.fragmentation", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", required=True, help="node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
@@ -56,6 +63,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--broker-every", type=int, default=64,
                    help="whalezen-broker and whalezen-batch: arrivals per cycle")
     p.add_argument("--broker-moves", type=int, default=8, help="whalezen-batch: migrations per cycle")
+    p.add_argument("--lookahead-power", type=_positive, default=None,
+                   help="whalezen-online's look-ahead power n in (1 - q)^n (default: the policy's own, 10); "
+                        "for sweeps. 1 is FGD's measure")
     p.add_argument("--no-bound", action="store_true", help="skip the LP upper bound")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--placements-out", help="CSV of one policy's placements for the first seed")
@@ -179,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 run = run_broker(cluster, arrivals, workload, rng, every=args.broker_every,
                                  max_moves=args.broker_moves)
             else:
-                run = run_online(cluster, arrivals, make_policy(name, workload), rng, record)
+                run = run_online(cluster, arrivals, make_policy(name, workload, lookahead_power=args.lookahead_power),
+                                 rng, record)
             seconds[name] += time.perf_counter() - t0
             runs[name].append(run)
             if record:
@@ -193,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"{n} {runs[n][-1].alloc_at(target_pct):.2f}%" for n in names), file=sys.stderr, flush=True)
     result: dict = {"total_gpus": int(total_gpus), "seeds": args.seeds,
                     "pods": Path(args.pods).name, "derive": args.derive,
+                    "lookahead_power": args.lookahead_power,  # null: whalezen-online's own
                     "upper_bound_unallocated_at_130": (
                         round(total_gpus - float(np.mean(bounds)) / MILLI, 1) if bounds else None),
                     "upper_bound_unallocated_at_100": (

@@ -13,12 +13,13 @@ ONLINE_POLICIES: tuple[str, ...] = (
 )
 
 
-def make_policy(name: str, workload: Workload) -> Policy:
-    """A fresh online policy; ``workload`` is the task mix that FGD-style measures use."""
+def make_policy(name: str, workload: Workload, *, lookahead_power: float | None = None) -> Policy:
+    """A fresh online policy; ``workload`` is the task mix that FGD-style measures use.
+    ``lookahead_power``: whalezen-online's look-ahead power instead of its default (for sweeps)."""
     if name == "fgd":
         return FGDPolicy(workload)
     if name == "whalezen-online":
-        return WhaleZenOnline(workload)
+        return WhaleZenOnline(workload) if lookahead_power is None else WhaleZenOnline(workload, power=lookahead_power)
     try:
         return BASELINES[name]()
     except KeyError:

@@ -156,3 +156,29 @@ def test_whalezen_batch_placements_are_refused(tmp_path: Path) -> None:
         fragmentation.main(["--nodes", str(npath), "--pods", str(ppath), "--seeds", "1", "--policies",
                             "whalezen-batch", "--placements-out", str(tmp_path / "p.csv"),
                             "--placements-policy", "whalezen-batch"])
+
+
+def test_the_lookahead_power_reaches_whalezen_online_and_only_a_positive_one_is_taken(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduling.sim import registry
+
+    used: list[float] = []
+
+    class Recording(registry.WhaleZenOnline):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            used.append(self.power)
+
+    monkeypatch.setattr(registry, "WhaleZenOnline", Recording)
+    npath, ppath = write_data(tmp_path)
+    common = ["--nodes", str(npath), "--pods", str(ppath), "--seeds", "2", "--policies", "whalezen-online,fgd",
+              "--no-bound", "--json"]
+    fragmentation.main(common + ["--lookahead-power", "4"])
+    assert used == [4.0, 4.0]  # one policy per seed, fgd untouched
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["lookahead_power"] == 4.0
+    used.clear()
+    fragmentation.main(common)
+    assert used == [10.0, 10.0]  # the policy's own
+    for bad in ("0", "-2", "x"):
+        with pytest.raises(SystemExit):
+            fragmentation.main(common + ["--lookahead-power", bad])
