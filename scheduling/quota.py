@@ -156,9 +156,10 @@ class QuotaLedger:
                borrowing: bool = True) -> bool:
         """Whether the team may take this much more owned `model` now. `nominal_only`: within its
         unused nominal; a job that cannot be preempted never borrows (it could not be given back)."""
+        nominal_room_only = nominal_only or bool(borrowing_barred(job, borrowing))
         for flavor, amount in self.amounts(model, gpu_share):
             within_nominal = amount <= self.nominal_left(job.tenant, flavor) + EPS
-            if (nominal_only or not borrowing or not job.preemptible) and not within_nominal:
+            if nominal_room_only and not within_nominal:
                 return False
             if amount > self.available(job.tenant, flavor) + EPS:
                 return False
@@ -211,12 +212,24 @@ class QuotaLedger:
                         ) -> tuple[str, float] | None:
         """The first flavor (and amount) that keeps the job off owned `model`, or None. Without
         borrowing (strict quotas, or a job that cannot be preempted) the unused nominal is the room."""
+        may_borrow = not borrowing_barred(job, borrowing)
         for flavor, amount in self.amounts(model, gpu_share):
-            room = (self.available(job.tenant, flavor) if borrowing and job.preemptible
+            room = (self.available(job.tenant, flavor) if may_borrow
                     else min(self.available(job.tenant, flavor), self.nominal_left(job.tenant, flavor)))
             if amount > room + EPS:
                 return flavor, amount
         return None
+
+
+def borrowing_barred(job: JobDemand, borrowing: bool) -> str:
+    """Why this job may not borrow at all, "" when it may: strict quotas (`borrowing` False), or a job
+    that cannot be preempted (a borrowed GPU must be reclaimable). One rule for admitting, for what
+    blocks a job, and for the words of its reason."""
+    if not borrowing:
+        return "strict quotas"
+    if not job.preemptible:
+        return "the job cannot be preempted"
+    return ""
 
 
 def model_at(node: NodeState, index: int) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from scheduling.book import Book
 from scheduling.model import JobDemand, Reason, ReasonCode
 from scheduling.problem import Problem
-from scheduling.quota import QuotaLedger, quota_governed, quota_message
+from scheduling.quota import QuotaLedger, borrowing_barred, quota_governed, quota_message
 
 STEP_ORDER = {"nominal": 0, "borrowing": 1, "limit": 2, "none": 3}
 # Codes the quota replaces as the headline when it also blocks the job on its best owned model: it
@@ -61,11 +61,7 @@ def annotate_quota_steps(problem: Problem, book: Book, reasons: dict[str, Reason
         share = problem.pricing.gpu_share(job, model)
         blocking = ledger.blocking_flavor(job, model, share, borrowing=problem.ctx.borrowing)
         flavor, amount = blocking if blocking is not None else ledger.amounts(model, share)[0]
-        # The same two rules as QuotaLedger.admits: strict quotas, or a job that cannot be preempted
-        # (a borrowed GPU must be reclaimable).
-        no_borrowing = ("strict quotas" if not problem.ctx.borrowing
-                        else "the job cannot be preempted" if not job.preemptible else "")
-        info = ledger.describe(job.tenant, flavor, no_borrowing)
+        info = ledger.describe(job.tenant, flavor, borrowing_barred(job, problem.ctx.borrowing))
         data["quota"] = {"step": step, **info}
         code, message = reason.code, reason.message
         if blocking is not None and code in QUOTA_MAY_EXPLAIN:
