@@ -27,7 +27,8 @@ from broker.billing.models import (AllocationMeter, BillingMonth, BudgetAlert, I
                                    UserBudget)
 from broker.inventory.models import CloudInstance, Gpu, Pool
 from broker.jobs.models import Allocation, AllocationSlice
-from broker.rows import objects_insert
+from broker.jobs.signals import PlacedAllocation
+from broker.rows import fields_insert
 from broker.tenancy.models import Membership, Quota, Tenant
 
 log = logging.getLogger(__name__)
@@ -87,38 +88,37 @@ def rates_fix(*, now: datetime, allocation_ids: list[int] | None = None) -> int:
     # 6 ms: 5,000 placements of one cycle paid 30 s for their prices), one insert for the meters.
     before = AllocationMeter.objects.filter(allocation_id__in=ids).count()
     # Another run that fixed one first wins: its price stands (the unique allocation refuses ours).
-    objects_insert(_priced_meters(bases, now=now), ignore_conflicts=True)
+    fields_insert(AllocationMeter, _priced_meters(bases, now=now), ignore_conflicts=True)
     return AllocationMeter.objects.filter(allocation_id__in=ids).count() - before
 
 
-def meters_create(*, now: datetime, allocations: list[Allocation], gpu_models: dict[int, str]) -> int:
-    """Meters of allocations inserted just now in this transaction (each with its `node` loaded;
-    `gpu_models`: allocation id -> its first GPU's model): no other run can have fixed them yet, so the
-    rows go in by COPY (broker/rows.py). rates_fix read the allocations and their slots back and
-    inserted row by row: 2 s of a 5,000-placement cycle."""
+def meters_create(*, now: datetime, allocations: list[PlacedAllocation]) -> int:
+    """Meters of allocations inserted just now in this transaction (as `allocations_placed` gives them): no
+    other run can have fixed them yet, so the rows go in by COPY (broker/rows.py). rates_fix read the
+    allocations and their slots back and inserted row by row: 2 s of a 5,000-placement cycle."""
     if not allocations:
         return 0
-    pool_rates = {pk: rates for pk, *rates in Pool.objects.filter(pk__in={a.node.pool_id for a in allocations})
+    pool_rates = {pk: rates for pk, *rates in Pool.objects.filter(pk__in={a.pool_id for a in allocations})
                   .values_list("pk", "gpu_hour_rate_usd", "cpu_rate_usd_per_core_hour", "memory_rate_usd_per_gib_hour")}
-    bases = [PriceBasis(allocation_id=a.pk, node_id=a.node_id, pool_id=a.node.pool_id,
-                        pool_rate=Decimal(pool_rates[a.node.pool_id][0]), gpu_model=gpu_models.get(a.pk, ""),
-                        cpu_rate=pool_rates[a.node.pool_id][1], memory_rate=pool_rates[a.node.pool_id][2])
+    bases = [PriceBasis(allocation_id=a.pk, node_id=a.node_id, pool_id=a.pool_id,
+                        pool_rate=Decimal(pool_rates[a.pool_id][0]), gpu_model=a.gpu_model,
+                        cpu_rate=pool_rates[a.pool_id][1], memory_rate=pool_rates[a.pool_id][2])
              for a in allocations]
-    objects_insert(_priced_meters(bases, now=now))
+    fields_insert(AllocationMeter, _priced_meters(bases, now=now))
     return len(allocations)
 
 
-def _priced_meters(bases: list[PriceBasis], *, now: datetime) -> list[AllocationMeter]:
-    """Unsaved meters of `bases` at the prices `current_rates` gives now."""
+def _priced_meters(bases: list[PriceBasis], *, now: datetime) -> list[dict]:
+    """Meter rows (broker/rows.py fields_insert) of `bases` at the prices `current_rates` gives now."""
     rates = current_rates(bases)
     meters = []
     for b in bases:
         rate, source, spot = rates[b.allocation_id]
         # CPU and memory rates are fixed with the GPU rate: a later change never reprices a running job.
         cpu_rate, memory_rate = resource_rates(b.cpu_rate, b.memory_rate, source)
-        meters.append(AllocationMeter(allocation_id=b.allocation_id, rate_usd_per_gpu_hour=rate, rate_source=source,
-                                      spot=spot, cpu_rate_usd_per_core_hour=cpu_rate,
-                                      memory_rate_usd_per_gib_hour=memory_rate, fixed_at=now))
+        meters.append({"allocation_id": b.allocation_id, "rate_usd_per_gpu_hour": rate, "rate_source": source,
+                       "spot": spot, "cpu_rate_usd_per_core_hour": cpu_rate,
+                       "memory_rate_usd_per_gib_hour": memory_rate, "fixed_at": now})
     return meters
 
 

@@ -16,7 +16,7 @@ from django.dispatch import receiver
 from django.utils import timezone
 
 from broker.jobs.models import Allocation
-from broker.jobs.signals import allocations_placed
+from broker.jobs.signals import PlacedAllocation, allocations_placed
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def allocation_price_fix(sender, instance: Allocation, created: bool, raw: bool 
 
 
 @receiver(allocations_placed, dispatch_uid="billing-fix-prices-bulk")
-def allocations_prices_fix(sender, allocations: list, gpu_models: dict[int, str], **kwargs) -> None:
+def allocations_prices_fix(sender, allocations: list[PlacedAllocation], **kwargs) -> None:
     """Bulk placements (broker.jobs.batch) insert allocations without post_save: their prices are fixed
     in the placements' own transaction, from what the placement already read (no query of the rows it
     just wrote)."""
@@ -47,6 +47,6 @@ def allocations_prices_fix(sender, allocations: list, gpu_models: dict[int, str]
 
     try:
         with transaction.atomic():  # a savepoint: a failure here leaves the placements as they are
-            meters_create(now=timezone.now(), allocations=allocations, gpu_models=gpu_models)
+            meters_create(now=timezone.now(), allocations=allocations)
     except Exception:  # noqa: BLE001 - billing must never break a placement; the metering run retries
         log.exception("billing: could not fix the prices of %d allocation(s) now", len(allocations))

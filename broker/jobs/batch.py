@@ -36,9 +36,9 @@ from broker.inventory.selectors import usable_pool_ids
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
 from broker.jobs.quota import QuotaRoom
 from broker.jobs.services import GpuRequest, JobError, allocation_commit
-from broker.jobs.signals import allocations_placed
+from broker.jobs.signals import PlacedAllocation, allocations_placed
 from broker.jobs.states import JobState
-from broker.rows import objects_insert, values_insert
+from broker.rows import fields_insert, values_insert
 from broker.tenancy.models import Tenant
 
 # Jobs per transaction. PostgreSQL locks only the chunk's node, team and job rows: 1,000 hold them about
@@ -119,9 +119,10 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
     epochs = {pk: node.epoch for pk, node in nodes.items()}
     now = timezone.now()
 
-    allocations: list[Allocation] = []
-    slices: list[tuple[Allocation, list[tuple[GpuRow, int]]]] = []
-    events: list[JobEvent] = []
+    # Plain rows, no model instances (broker/rows.py fields_insert): allocations, their slots, events.
+    allocations: list[dict[str, int]] = []
+    slices: list[list[tuple[GpuRow, list[int]]]] = []  # the (GPU, slots) of each allocation, in order
+    events: list[dict[str, Any]] = []
     placed: list[int] = []
     for job, requests in chunk:
         if job.pk not in pending:
@@ -136,27 +137,26 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
             continue
         for req, picks in zip(requests, _by_request(requests, chosen)):
             epochs[req.node.pk] += 1
-            allocation = Allocation(job_id=job.pk, node=nodes[req.node.pk], epoch=epochs[req.node.pk])
-            allocations.append(allocation)
-            slices.append((allocation, picks))
+            allocations.append({"job_id": job.pk, "node_id": req.node.pk, "epoch": epochs[req.node.pk]})
+            slices.append(picks)
         for gpu, slots in chosen:
             taken[gpu.pk].update(slots)
-        events.append(JobEvent(job_id=job.pk, kind="state", reason_code="PLACED", message="Placed on " + ", ".join(
+        events.append({"job_id": job.pk, "kind": "state", "reason_code": "PLACED", "message": "Placed on " + ", ".join(
             f"{r.node.name}[{','.join(map(str, r.gpu_indices))}]" for r in requests),
-            data={"from": JobState.PENDING, "to": JobState.PLACED,
-                  "placements": [{"node": r.node.name, "gpus": list(r.gpu_indices), "milli": r.milli}
-                                 for r in requests]}))
+            "data": {"from": JobState.PENDING, "to": JobState.PLACED,
+                     "placements": [{"node": r.node.name, "gpus": list(r.gpu_indices), "milli": r.milli}
+                                    for r in requests]}})
         placed.append(job.pk)
     if not placed:
         return
     # COPY with ids drawn first (broker/rows.py): bulk_create's compiled INSERT and its RETURNING were
     # most of what was left of a 5,000-placement commit.
-    objects_insert(allocations, with_ids=True)
-    # Ten slot rows per whole GPU (about 50,000 for 5,000 placements) as plain tuples: no model instances.
+    allocation_ids = fields_insert(Allocation, allocations, with_ids=True)
+    # Ten slot rows per whole GPU (about 50,000 for 5,000 placements) as plain tuples.
     # The partial unique constraint still refuses a slot held twice (IntegrityError: the chunk rolls back).
     values_insert(AllocationSlice, ("allocation", "gpu", "slot", "active"),
-                  [(allocation.pk, gpu.pk, slot, True) for allocation, picks in slices for gpu, slots in picks
-                   for slot in slots])
+                  [(allocation_id, gpu.pk, slot, True) for allocation_id, picks in zip(allocation_ids, slices)
+                   for gpu, slots in picks for slot in slots])
     changed = [(epochs[pk], pk) for pk in nodes if epochs[pk] != nodes[pk].epoch]  # never empty: a job was placed
     with connection.cursor() as cursor:  # bulk_update's CASE WHEN per node took 0.1 s a chunk
         cursor.executemany(f"UPDATE {connection.ops.quote_name(Node._meta.db_table)} SET "
@@ -167,11 +167,12 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
         state=JobState.PLACED, updated_at=now, pending_reason_code="", pending_reason="", pending_reason_data={})
     if updated != len(placed):  # the rows are locked: only a bug gets here
         raise IntegrityError("placed jobs changed state under their row locks")
-    objects_insert(events)
+    fields_insert(JobEvent, events)
     # Billing fixes each allocation's price in this same transaction (an allocation is never left
     # without one by a crash between two transactions).
-    allocations_placed.send(sender=Allocation, allocations=allocations,
-                            gpu_models={allocation.pk: picks[0][0].model for allocation, picks in slices if picks})
+    allocations_placed.send(sender=Allocation, allocations=[
+        PlacedAllocation(pk, row["node_id"], nodes[row["node_id"]].pool_id, picks[0][0].model if picks else "")
+        for pk, row, picks in zip(allocation_ids, allocations, slices)])
     result.placed.extend(placed)
 
 

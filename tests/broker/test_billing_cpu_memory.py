@@ -225,12 +225,14 @@ def test_a_bulk_placement_fixes_the_cpu_and_memory_rates_with_the_gpu_rate(acme)
 
     from broker.billing.models import AllocationMeter
     from broker.billing.services import meters_create
+    from broker.jobs.signals import PlacedAllocation
 
     rates("acme/onprem", cpu="0.02", memory="0.001")
     job = start(acme, acme.nodes[0], "bulk", cpu=4, memory_gb=8)
     alloc = job.allocations.select_related("node").get()
     AllocationMeter.objects.filter(allocation=alloc).delete()  # none yet: the commit's on_commit never ran
-    meters_create(now=timezone.now(), allocations=[alloc], gpu_models={alloc.pk: "A100-80GB"})
+    meters_create(now=timezone.now(), allocations=[
+        PlacedAllocation(alloc.pk, alloc.node_id, alloc.node.pool_id, "A100-80GB")])
     fixed = AllocationMeter.objects.get(allocation=alloc)
     assert (fixed.cpu_rate_usd_per_core_hour, fixed.memory_rate_usd_per_gib_hour) == (Decimal("0.02"), Decimal("0.001"))
 
