@@ -300,6 +300,9 @@ WHALEZEN_PREEMPTION_GRACE_SECONDS = float(os.environ.get("WHALEZEN_PREEMPTION_GR
 # Fair share (issue 11): a team's past GPU-hours on owned capacity count half after this many hours (Slurm's
 # PriorityDecayHalfLife, default 7 days).
 WHALEZEN_FAIR_SHARE_HALF_LIFE_HOURS = float(os.environ.get("WHALEZEN_FAIR_SHARE_HALF_LIFE_HOURS", 168))
+# Seconds between two updates of the teams' decayed usage by the scheduling cycles (each update charges what
+# the teams hold then for the whole interval since the last).
+WHALEZEN_FAIR_SHARE_STEP_SECONDS = float(os.environ.get("WHALEZEN_FAIR_SHARE_STEP_SECONDS", 30))
 WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS = float(os.environ.get("WHALEZEN_MIGRATION_STOP_TIMEOUT_SECONDS", 120))
 # Where the broker reads s3:// checkpoints to verify them (None: AWS itself; set for MinIO or moto).
 WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL = os.environ.get("WHALEZEN_CHECKPOINT_S3_ENDPOINT_URL") or None

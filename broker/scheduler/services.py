@@ -40,7 +40,7 @@ from broker.scheduler.models import CycleLease, CycleRecord
 from providers.local.processes import process_start_time
 from broker.scheduler.snapshot import component_snapshot
 from broker.tenancy.models import CU_FLAVOR, TeamQuota, Tenant
-from broker.tenancy.services import fair_share_usage_update
+from broker.tenancy.services import fair_share_usage_due, fair_share_usage_update
 from scheduling import model as sm
 from scheduling.engine import schedule
 from scheduling.moves import MoveRules, cycle_wanted, move_policy
@@ -130,8 +130,10 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
     if cycle_number is None:
         return CycleOutcome(ran=False)
     try:
-        # Every cycle, wanted or not: the decay must follow the clock, not the cycles that placed something.
-        fair_share_usage_update(tenants=component)
+        # Every cycle, wanted or not, once a step has passed: the decay must follow the clock, not the
+        # cycles that placed something (the held GPUs at each update stand for the step since the last).
+        if fair_share_usage_due(tenants=component):
+            fair_share_usage_update(tenants=component)
         if not _cycle_wanted(tenants=component, policy=policy):
             return CycleOutcome(ran=True)
         clock = time.perf_counter()

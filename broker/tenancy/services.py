@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Sequence
 
@@ -262,6 +262,20 @@ def decayed_usage(*, previous: float, held: float, seconds: float, half_life_hou
     return previous * decay + held * seconds / 3600.0
 
 
+def fair_share_step_seconds() -> float:
+    return float(getattr(settings, "WHALEZEN_FAIR_SHARE_STEP_SECONDS", 30.0))
+
+
+def fair_share_usage_due(*, tenants: Sequence[Tenant], now: datetime | None = None) -> bool:
+    """Whether these teams' usage is older than one step (`WHALEZEN_FAIR_SHARE_STEP_SECONDS`) and a cycle
+    should bring it up to date. Reading what every running job holds on owned nodes was most of a cycle
+    with nothing new to decide (0.26 of 0.35 s with 5,000 jobs running, bench.service); at a half-life of
+    days, a step of seconds changes no factor that orders anyone. One indexed query."""
+    now = now or timezone.now()
+    recent = now - timedelta(seconds=fair_share_step_seconds())
+    return not FairShareUsage.objects.filter(tenant__in=list(tenants), updated_at__gt=recent).exists()
+
+
 def fair_share_usage_update(*, tenants: Sequence[Tenant], now: datetime | None = None,
                             half_life_hours: float | None = None) -> dict[tuple[str, str], float]:
     """Decay every (team, flavor) usage of these teams to `now` and add what they hold on owned nodes
@@ -296,14 +310,21 @@ def fair_share_usage_sweep(*, now: datetime | None = None) -> int:
     """Bring every team's usage up to date, whether or not a cycle runs for it: cycles run only while
     something is pending, and a team whose jobs ran for days with nothing pending would otherwise be
     charged (or not) for those days all at once with whatever it holds at the next cycle. Periodic
-    (the scheduler's sweep); returns how many teams were updated."""
+    (the scheduler's sweep), for the teams whose usage is older than a step (`fair_share_usage_due`);
+    returns how many teams were updated."""
     from broker.inventory.models import OWNED_POOL_KINDS
     from broker.jobs.models import AllocationSlice
 
+    now = now or timezone.now()
+    recent = now - timedelta(seconds=fair_share_step_seconds())
+    if FairShareUsage.objects.exists() and not FairShareUsage.objects.filter(updated_at__lte=recent).exists():
+        return 0  # every usage is younger than a step (a cycle or the last sweep): nothing is due yet
     holding = AllocationSlice.objects.filter(active=True, gpu__node__pool__kind__in=OWNED_POOL_KINDS).values(
         "allocation__job__tenant_id")
     with_rows = FairShareUsage.objects.values("tenant_id")
-    tenants = list(Tenant.objects.filter(Q(pk__in=holding) | Q(pk__in=with_rows)).order_by("pk"))
+    fresh = FairShareUsage.objects.filter(updated_at__gt=recent).values("tenant_id")
+    tenants = list(Tenant.objects.filter(Q(pk__in=holding) | Q(pk__in=with_rows)).exclude(pk__in=fresh)
+                   .order_by("pk"))
     if tenants:
         fair_share_usage_update(tenants=tenants, now=now)
     return len(tenants)

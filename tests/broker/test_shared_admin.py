@@ -198,6 +198,43 @@ def test_the_sweep_charges_running_jobs_even_when_no_cycle_runs(acme, gpu_models
     assert row.decayed_hours == pytest.approx(1.0, rel=1e-3)  # 2 GPUs x 0.5 h (the decay of 0 is 0)
 
 
+def test_usage_is_brought_up_to_date_once_a_step_not_at_every_cycle(acme, gpu_models, settings):
+    """A cycle leaves usage updated less than a step ago as it is (reading every running job's GPUs was most
+    of a cycle with nothing new); the first cycle after the step charges the whole interval since."""
+    from broker.scheduler.services import scheduling_cycle_run
+
+    settings.WHALEZEN_FAIR_SHARE_STEP_SECONDS = 30
+    job = submit(acme, resources={"gpus": 2})
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0, 1))])
+    ten_s_ago = timezone.now() - timedelta(seconds=10)
+    FairShareUsage.objects.create(tenant=acme.tenant, flavor="A100-80GB", decayed_hours=1.0, updated_at=ten_s_ago)
+    scheduling_cycle_run(tenant=acme.tenant)
+    row = FairShareUsage.objects.get(tenant=acme.tenant)
+    assert (row.decayed_hours, row.updated_at) == (1.0, ten_s_ago)
+    an_hour_ago = timezone.now() - timedelta(hours=1)
+    FairShareUsage.objects.filter(pk=row.pk).update(updated_at=an_hour_ago)
+    scheduling_cycle_run(tenant=acme.tenant)
+    row.refresh_from_db()
+    assert row.updated_at > an_hour_ago
+    assert row.decayed_hours == pytest.approx(1.0 * 2 ** (-1 / 168) + 2.0, rel=1e-3)  # 2 GPUs for the hour
+
+
+def test_the_sweep_skips_teams_updated_within_a_step_and_charges_the_others(acme, globex, gpu_models, settings):
+    from broker.tenancy.services import fair_share_usage_sweep
+
+    settings.WHALEZEN_FAIR_SHARE_STEP_SECONDS = 30
+    t0 = timezone.now()
+    FairShareUsage.objects.create(tenant=acme.tenant, flavor="A100-80GB", decayed_hours=3.0,
+                                  updated_at=t0 - timedelta(seconds=5))
+    FairShareUsage.objects.create(tenant=globex.tenant, flavor="A100-80GB", decayed_hours=3.0,
+                                  updated_at=t0 - timedelta(hours=168))
+    assert fair_share_usage_sweep(now=t0) == 1
+    assert FairShareUsage.objects.get(tenant=acme.tenant).decayed_hours == 3.0
+    assert FairShareUsage.objects.get(tenant=globex.tenant).decayed_hours == pytest.approx(1.5)
+    assert fair_share_usage_sweep(now=t0 + timedelta(seconds=20)) == 0  # both fresh now
+    assert fair_share_usage_sweep(now=t0 + timedelta(seconds=28)) == 1  # acme's step has passed, not globex's
+
+
 def test_the_shared_demo_is_opt_in_and_idempotent(db, settings, tmp_path, monkeypatch):
     from broker.ops.demo_agents import demo_nodes
 
