@@ -11,7 +11,9 @@ preempted for (a gang would need victims on several nodes at once).
 Priority only decides within a team: a job never preempts another team's job for priority. Across
 teams capacity is taken back only by reclaim (`plan_reclaims`): a pending job that fits in its
 team's unused nominal quota may stop jobs of teams that borrow that flavor, whatever their priority
-or run time (borrowed capacity is lent on those terms, as in Kueue). Victims that leave their team
+or run time (borrowed capacity is lent on those terms, as in Kueue), those with the fewest
+GPU-seconds left to run again elsewhere first (work left plus work lost: a victim usually restarts
+on a rented instance, and a long one would rent for long). Victims that leave their team
 at or above its nominal are preferred; a borrowed job larger than what its team borrows may be
 taken when nothing else frees the room (its team then holds a little less than its nominal, and
 that job cannot reclaim back: it no longer fits its team's unused nominal).
