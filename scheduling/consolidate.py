@@ -37,7 +37,9 @@ from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, RunningA
 from scheduling.problem import Problem
 from scheduling.quota import quota_governed
 from scheduling.defrag import NODES_TRIED, replace_elsewhere
-from scheduling.whatif import can_move, could_ever_fit, fits_on, minimal_victims, release, running_by_node
+from scheduling.whatif import (
+    can_move, could_ever_fit, fits_on, minimal_victims, release, remaining_run_s, running_by_node,
+)
 
 # Filters that moving a running job does not touch: it already counts against its tenant's
 # quota and budget, and it launches nothing.
@@ -66,7 +68,7 @@ def plan_consolidation(problem: Problem, book: Book, busy: set[str], budget: int
         allocations = by_node[source]
         if len(plan) + len(allocations) > budget:
             continue
-        remaining = [_remaining_s(problem, source, a) for a in allocations]
+        remaining = [remaining_run_s(problem, source, a) for a in allocations]
         if any(not can_move(a, policy) or a.job_id in busy for a in allocations) \
                 or min(remaining) < policy.min_remaining_to_move_s:
             continue
@@ -176,16 +178,6 @@ def _moved_cost(problem: Problem, source: int, allocation: RunningAllocation, po
 def _utilisation(cap: NodeCapacity) -> float:
     total = len(cap.node.gpus) * WHOLE_GPU_MILLI
     return (total - sum(cap.free_milli)) / total if total else 1.0
-
-
-def _remaining_s(problem: Problem, position: int, allocation: RunningAllocation) -> float:
-    """Run time left where the job runs now: its demand's expected run at this node's speed
-    (`expected_duration_hours` of a running job's demand is its run from its last start) minus
-    what it has run."""
-    if allocation.demand is None:
-        return 0.0
-    model = _model_of(problem.capacities[position].node, allocation.gpu_indices)
-    return problem.pricing.runtime_hours(allocation.demand, model) * 3600.0 - allocation.run_seconds
 
 
 def _land_elsewhere(problem: Problem, book: Book, source: int, allocations: list[RunningAllocation],

@@ -11,7 +11,9 @@ preempted for (a gang would need victims on several nodes at once).
 Priority only decides within a team: a job never preempts another team's job for priority. Across
 teams capacity is taken back only by reclaim (`plan_reclaims`): a pending job that fits in its
 team's unused nominal quota may stop jobs of teams that borrow that flavor, whatever their priority
-or run time (borrowed capacity is lent on those terms, as in Kueue). Victims that leave their team
+or run time (borrowed capacity is lent on those terms, as in Kueue), those with the fewest
+GPU-seconds left to run again elsewhere first (work left plus work lost: a victim usually restarts
+on a rented instance, and a long one would rent for long). Victims that leave their team
 at or above its nominal are preferred; a borrowed job larger than what its team borrows may be
 taken when nothing else frees the room (its team then holds a little less than its nominal, and
 that job cannot reclaim back: it no longer fits its team's unused nominal).
@@ -20,10 +22,10 @@ that job cannot reclaim back: it no longer fits its team's unused nominal).
 from __future__ import annotations
 
 from scheduling.book import Book
-from scheduling.model import Policy, Preemption, Snapshot
+from scheduling.model import Policy, Preemption, RunningAllocation, Snapshot
 from scheduling.problem import Problem, build_problem
 from scheduling.quota import model_at, quota_governed
-from scheduling.whatif import could_ever_fit, minimal_victims, release, running_by_node
+from scheduling.whatif import could_ever_fit, minimal_victims, release, remaining_run_s, running_by_node
 
 # Pending jobs considered per cycle (highest priority, then oldest): bounds the what-if work.
 JOBS_CONSIDERED = 32
@@ -103,13 +105,14 @@ def plan_reclaims(problem: Problem, book: Book, pending: list[str],
                        and _borrowing(ledger, a, cap.node)]
             if not victims or not could_ever_fit(problem, job, cap, position, plugins):
                 continue
-            found = minimal_victims(problem, job, book, position, victims, plugins)
+            rerun = _rerun_cost(problem, position)
+            found = minimal_victims(problem, job, book, position, victims, plugins, cost=rerun)
             if found is None:
                 continue
-            # Least taken below lenders' nominal, then GPU-seconds of work lost (one 8-GPU victim is not
-            # cheaper than four 1-GPU ones).
+            # Least taken below lenders' nominal, then GPU-seconds the victims must run again
+            # elsewhere (one 8-GPU victim is not cheaper than four 1-GPU ones).
             score = (round(_shortfall(ledger, found[0], cap.node), 6),
-                     sum(a.lost_work_s * len(a.gpu_indices) for a in found[0]), len(found[0]), cap.node.id)
+                     sum(rerun(a) for a in found[0]), len(found[0]), cap.node.id)
             if best is None or score < best[0]:
                 best = (score, position, found, model)
         if best is None:
@@ -126,6 +129,19 @@ def plan_reclaims(problem: Problem, book: Book, pending: list[str],
         ledger.charge(job, model, pricing.gpu_share(job, model))
         book.refresh_node(position)
     return tuple(plan)
+
+
+def _rerun_cost(problem: Problem, position: int):
+    """A reclaim victim's cost: the GPU-seconds it must run again elsewhere, its work left plus
+    the work it loses (`lost_work_s`). With the owned capacity full, it restarts on a rented
+    instance: a victim with little left rents for a short while, where a long one would hold the
+    instance (and the GPUs it shares) long after the owned capacity frees up. Measured in
+    bench.fairshare: victims chosen by lost work alone sent borrowers with days left to rented
+    8-GPU instances while owned GPUs stood idle at night."""
+    def cost(allocation: RunningAllocation) -> float:
+        left = max(0.0, remaining_run_s(problem, position, allocation))
+        return len(allocation.gpu_indices) * (left + allocation.lost_work_s)
+    return cost
 
 
 def within_nominal(ledger, pricing, job, model: str) -> bool:

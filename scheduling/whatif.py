@@ -7,6 +7,8 @@ released, and the filter plugins run against that copy (model, memory, topology,
 
 from __future__ import annotations
 
+from typing import Callable
+
 from scheduling.book import Book
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import JobDemand, RunningAllocation, WHOLE_GPU_MILLI
@@ -74,16 +76,18 @@ def could_ever_fit(problem: Problem, job: JobDemand, cap: NodeCapacity, position
 
 
 def minimal_victims(problem: Problem, job: JobDemand, book: Book, position: int,
-                    movable: list[RunningAllocation], plugins: tuple[FilterPlugin, ...] | None = None
+                    movable: list[RunningAllocation], plugins: tuple[FilterPlugin, ...] | None = None,
+                    cost: Callable[[RunningAllocation], float] | None = None,
                     ) -> tuple[list[RunningAllocation], Target, PartDemand, tuple[int, ...]] | None:
-    """Fewest-lost-work set of `movable` jobs whose departure lets `job` fit on node `position`.
+    """Cheapest set of `movable` jobs whose departure lets `job` fit on node `position`.
 
-    Adds jobs in order of lost work until the job fits, then drops any that turn out unneeded
-    (most expensive first), so no victim is taken without need. `plugins`: the filters to pass
-    (default the policy's).
+    Adds jobs in order of `cost` (default: lost work) until the job fits, then drops any that
+    turn out unneeded (most expensive first), so no victim is taken without need. `plugins`: the
+    filters to pass (default the policy's).
     """
     plugins = problem.plugins if plugins is None else plugins
-    ordered = sorted(movable, key=lambda a: (a.lost_work_s, a.job_id))
+    cost = cost or (lambda a: a.lost_work_s)
+    ordered = sorted(movable, key=lambda a: (cost(a), a.job_id))
     cap = book.caps[position].copy()
     chosen: list[RunningAllocation] = []
     fit = fits_on(problem, job, cap, position, plugins)
@@ -95,7 +99,7 @@ def minimal_victims(problem: Problem, job: JobDemand, book: Book, position: int,
         fit = fits_on(problem, job, cap, position, plugins)
     if fit is None or not chosen:
         return None
-    for allocation in sorted(chosen, key=lambda a: (-a.lost_work_s, a.job_id)):
+    for allocation in sorted(chosen, key=lambda a: (-cost(a), a.job_id)):
         trial = book.caps[position].copy()
         for other in chosen:
             if other is not allocation:
@@ -109,3 +113,14 @@ def minimal_victims(problem: Problem, job: JobDemand, book: Book, position: int,
     if fit is None:
         return None
     return chosen, fit[0], fit[1], fit[2]
+
+
+def remaining_run_s(problem: Problem, position: int, allocation: RunningAllocation) -> float:
+    """Run time left where the job runs now: its demand's expected run at this node's speed
+    (`expected_duration_hours` of a running job's demand is its run from its last start) minus
+    what it has run."""
+    if allocation.demand is None:
+        return 0.0
+    node = problem.capacities[position].node
+    model = next((g.model for g in node.gpus if g.index in allocation.gpu_indices), "")
+    return problem.pricing.runtime_hours(allocation.demand, model) * 3600.0 - allocation.run_seconds

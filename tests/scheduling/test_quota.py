@@ -97,6 +97,38 @@ def test_reclaim_takes_borrowed_jobs_back_for_a_team_within_its_nominal_share():
     assert schedule(snap, replace(POLICY, reclaim=False)).preemptions == ()
 
 
+def test_reclaim_stops_the_borrowed_job_with_the_least_work_left():
+    # acme borrows all 8 owned GPUs of n0 (nominal 4) with 1-GPU jobs of different lengths; globex
+    # needs 1 GPU of its nominal back. The victim restarts elsewhere (with the owned node full, on a
+    # rented instance), so the one with 20 minutes left goes, not one with days left, even though
+    # it has more work since its last checkpoint to lose.
+    nodes = [busy("n0", range(8))]
+    hours = {0: 50.0, 1: 30.0, 2: 0.5, 3: 80.0, 4: 12.0, 5: 40.0, 6: 60.0, 7: 24.0}
+    running = [replace(held("acme", "n0", [g], f"a{g}", demand=job(f"a{g}", expected_duration_hours=hours[g])),
+                       run_seconds=1800.0, checkpoint_age_s=10.0 if g != 2 else 1500.0)
+               for g in range(8)]
+    snap = snapshot(nodes, jobs("globex", 1), running=running, quotas=quotas(acme=4, globex=4))
+    plan = schedule(snap, POLICY)
+    assert [p.victim_job_id for p in plan.preemptions] == ["a2"]
+    assert plan.pending["globex0"].code == ReasonCode.RECLAIMING
+    assert plan_violations(snap, plan) == []
+
+
+def test_reclaim_picks_the_node_whose_victims_have_the_least_gpu_time_left():
+    # A 4-GPU job of globex fits on either node once acme's borrowed jobs leave: n0 by stopping one
+    # 4-GPU job with 10 hours left, n1 by stopping four 1-GPU jobs with 1 hour left each (4 GPU-hours
+    # to run again elsewhere against 40). n1's go.
+    nodes = [busy("n0", range(8)), busy("n1", range(8))]
+    running = ([held("acme", "n0", range(4), "long", demand=job("long", gpus=4, expected_duration_hours=10.0)),
+                held("acme", "n0", range(4, 8), "keep0", demand=job("keep0", gpus=4, expected_duration_hours=9.0))]
+               + [held("acme", "n1", [g], f"short{g}", demand=job(f"short{g}", expected_duration_hours=1.0))
+                  for g in range(8)])
+    snap = snapshot(nodes, jobs("globex", 1, gpus=4), running=running, quotas=quotas(acme=8, globex=8))
+    plan = schedule(snap, POLICY)
+    assert {p.node_id for p in plan.preemptions} == {"n1"}
+    assert len(plan.preemptions) == 4
+
+
 def test_reclaim_never_takes_a_team_below_its_nominal():
     # acme holds 8 of its nominal 12; globex holds 8 of its nominal 4 (4 borrowed). acme wants 6 more:
     # only globex's 4 borrowed GPUs can be reclaimed, so the 6-GPU job is not helped by reclaim at all,
