@@ -35,8 +35,9 @@ def free_port() -> int:
 
 def process_tree(roots: list[int]) -> dict[int, list[str]]:
     """pid -> argv of the live processes among `roots` and their descendants. By parentage, not by a
-    marker in argv or environ: gunicorn renames its processes (setproctitle overwrites the memory that
-    /proc/PID/cmdline and /proc/PID/environ show), so a var dir in its environment cannot be read back."""
+    marker in argv or environ: where setproctitle is installed, gunicorn renames its processes (it overwrites
+    the memory that /proc/PID/cmdline and /proc/PID/environ show), so a var dir in their environment cannot
+    be read back."""
     parents: dict[int, int] = {}
     argvs: dict[int, list[str]] = {}
     for proc in Path("/proc").iterdir():

@@ -524,8 +524,9 @@ def measure_reads(db: str, args: argparse.Namespace, say: Any) -> list[dict[str,
 # ----------------------------------------------------------------------------------------- 4. agents
 def service_cpu(server: Any) -> dict[int, tuple[str, float]]:
     """pid -> (role, user + system CPU seconds) of every live process the bench's server started: web
-    (gunicorn), worker, beat, serve. Found by parentage: gunicorn renames its processes, so the var dir in
-    their environment cannot be read back (the bench before 2026-12-03 missed the web server's CPU)."""
+    (gunicorn), worker, beat, serve, and what they started (the `local` provider's instance agents). Found
+    by parentage: where setproctitle is installed (mutmut brings it) gunicorn renames its processes, and the
+    var dir in their environment can no longer be read back: the bench then missed the web server's CPU."""
     from bench.agent_cpu import cpu_seconds
     from bench.procs import process_role, process_tree
 
