@@ -29,6 +29,8 @@ Parts (each per database kind of --db unless said otherwise):
   SQLite, and against docker-compose.yml's service (gunicorn --workers 3, Celery worker and beat,
   production settings) on PostgreSQL + Redis. One server per database; the levels run one after another,
   so later levels see the earlier levels' jobs pending (the worker schedules them on the 4 demo nodes).
+  Each level also reports the CPU each process of the service spent per answered request (from /proc), the
+  load generator's own, and the cores the service used: far steadier than requests/s on a shared machine.
 - reads: 100,000 jobs bulk-inserted for the demo tenant `acme` (bulk_create in the states a real database
   holds: mostly SUCCEEDED, some FAILED, CANCELLED and PENDING; on PostgreSQL then VACUUM ANALYZE, as
   autovacuum would within a minute), then GET /api/v1/jobs/ (first page) and
