@@ -107,3 +107,17 @@ def test_a_serializer_with_checks_of_its_own_is_never_decided_fast():
     body = agent_body(running=1)["processes"][0]
     assert FastCheck(ProcessSerializer).fast(body) is not None
     assert FastCheck(Checked).fast(body) is None
+
+
+@pytest.mark.parametrize("extra", [
+    {"interruption": {"kind": "spot", "action": "terminate", "deadline": 1796000000, "source": "aws"}},
+    {"interruption": {"kind": "spot", "action": "stop", "deadline": 12.5, "source": "local"}},
+    {"metrics_url": "http://10.0.0.7:9400/metrics"},
+])
+def test_a_spot_notice_or_a_metrics_address_gets_the_serializers_data(extra):
+    body = {**agent_body(running=1), **extra}
+    ok, validated = serializer_answer(body)
+    assert ok, validated
+    fast = CHECK.fast(body)
+    assert fast is None or same(fast, dict(validated))
+    assert same(dict(CHECK.validated(body)), dict(validated))
