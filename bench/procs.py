@@ -31,3 +31,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def process_tree(roots: list[int]) -> dict[int, list[str]]:
+    """pid -> argv of the live processes among `roots` and their descendants. By parentage, not by a
+    marker in argv or environ: where setproctitle is installed, gunicorn renames its processes (it overwrites
+    the memory that /proc/PID/cmdline and /proc/PID/environ show), so a var dir in their environment cannot
+    be read back."""
+    parents: dict[int, int] = {}
+    argvs: dict[int, list[str]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            fields = stat[stat.rfind(")") + 2:].split()
+            if fields[0] in ("Z", "X"):
+                continue
+            parents[int(proc.name)] = int(fields[1])
+            argvs[int(proc.name)] = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+        except (OSError, IndexError, ValueError):
+            continue
+    tree = {pid for pid in roots if pid in argvs}
+    grew = True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in tree and pid not in tree}
+        tree |= children
+        grew = bool(children)
+    return {pid: argvs[pid] for pid in tree}
+
+
+def process_role(argv: list[str]) -> str:
+    """What a process of the service is, from its argv: web (gunicorn), worker, beat, or serve (the
+    supervisor)."""
+    line = " ".join(argv)
+    if "gunicorn" in line:
+        return "web"
+    if "celery" in line:
+        return "beat" if "beat" in argv else "worker"
+    return "serve" if "serve" in argv else (argv[0].rsplit("/", 1)[-1] if argv else "?")

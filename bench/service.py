@@ -29,6 +29,8 @@ Parts (each per database kind of --db unless said otherwise):
   SQLite, and against docker-compose.yml's service (gunicorn --workers 3, Celery worker and beat,
   production settings) on PostgreSQL + Redis. One server per database; the levels run one after another,
   so later levels see the earlier levels' jobs pending (the worker schedules them on the 4 demo nodes).
+  Each level also reports the CPU each process of the service spent per answered request (from /proc), the
+  load generator's own, and the cores the service used: far steadier than requests/s on a shared machine.
 - reads: 100,000 jobs bulk-inserted for the demo tenant `acme` (bulk_create in the states a real database
   holds: mostly SUCCEEDED, some FAILED, CANCELLED and PENDING; on PostgreSQL then VACUUM ANALYZE, as
   autovacuum would within a minute), then GET /api/v1/jobs/ (first page) and
@@ -412,11 +414,15 @@ def measure_submissions(db: str, args: argparse.Namespace, say: Any) -> list[dic
             for concurrency in args.concurrency:
                 requests = max(args.min_requests, args.requests_per_thread * concurrency)
                 fire(server, requests=concurrency, concurrency=concurrency, timeout_s=60)  # warm, not counted
+                cpu_before, generator_before = service_cpu(server), time.process_time()
                 answers, seconds = fire(server, requests=requests, concurrency=concurrency, timeout_s=60)
+                cpu = cpu_spent(cpu_before, service_cpu(server))
+                generator = time.process_time() - generator_before
                 s = summarize(answers, seconds, concurrency)
                 entry = {"db": db, "server": name, "concurrency": concurrency, "rps": s["requests_per_s"],
                          "p50_ms": s["p50_ms"], "p95_ms": s["p95_ms"], "p99_ms": s["p99_ms"], "errors": s["errors"],
-                         "requests": s["requests"], "error_kinds": s["error_kinds"]}
+                         "requests": s["requests"], "error_kinds": s["error_kinds"],
+                         **cpu_per_request(cpu, generator, len(answers), seconds)}
                 say(f"[submissions {db}] {json.dumps(entry)}")
                 out.append(entry)
     return out
@@ -518,18 +524,41 @@ def measure_reads(db: str, args: argparse.Namespace, say: Any) -> list[dict[str,
 
 
 # ----------------------------------------------------------------------------------------- 4. agents
-def server_cpu_seconds(var_dir: Path) -> float:
-    """User + system CPU seconds of every live process of the service under `var_dir`."""
+def service_cpu(server: Any) -> dict[int, tuple[str, float]]:
+    """pid -> (role, user + system CPU seconds) of every live process the bench's server started: web
+    (gunicorn), worker, beat, serve, and what they started (the `local` provider's instance agents). Found
+    by parentage: where setproctitle is installed (mutmut brings it) gunicorn renames its processes, and the
+    var dir in their environment can no longer be read back: the bench then missed the web server's CPU."""
     from bench.agent_cpu import cpu_seconds
-    from bench.procs import live_processes
+    from bench.procs import process_role, process_tree
 
-    marker = str(var_dir).encode()
-    total = 0.0
-    for pid, argv, environ in live_processes():
-        if marker in " ".join(argv).encode() or marker in environ:
-            with contextlib.suppress(OSError):
-                total += cpu_seconds(pid)
-    return total
+    out = {}
+    for pid, argv in process_tree([p.pid for p in server.processes]).items():
+        with contextlib.suppress(OSError):
+            out[pid] = (process_role(argv), cpu_seconds(pid))
+    return out
+
+
+def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per role between two `service_cpu` readings (a process started between them counts whole)."""
+    spent: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        spent[role] = spent.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    return spent
+
+
+def cpu_per_request(cpu: dict[str, float], generator_s: float, requests: int, wall_s: float) -> dict[str, Any]:
+    """The service's CPU per answered request, per role and in all, with the load generator's own
+    (far less sensitive to other work on the machine than requests/s), and the cores each used."""
+    if not requests:
+        return {}
+    total = sum(cpu.values())
+    return {"cpu_ms_per_request": round(1000 * total / requests, 2),
+            "cpu_ms_per_request_by_process": {role: round(1000 * s / requests, 2) for role, s in sorted(cpu.items())},
+            "generator_cpu_ms_per_request": round(1000 * generator_s / requests, 2),
+            "service_cores": round(total / wall_s, 2) if wall_s else None,
+            "web_cores": round(cpu.get("web", 0.0) / wall_s, 2) if wall_s else None,
+            "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
 def _post(base: str, path: str, body: dict, token: str | None = None, timeout: float = 30) -> tuple[int, dict, float]:
@@ -637,12 +666,15 @@ def measure_heartbeats(args: argparse.Namespace, say: Any) -> dict[str, Any]:
             t0 = time.perf_counter()
             nodes = register_nodes(server.base, join, args.hb_nodes)
             say(f"[agents] {len(nodes)} nodes registered in {time.perf_counter() - t0:.1f} s")
-            cpu_before, wall_before = server_cpu_seconds(Path(var)), time.monotonic()
+            cpu_before, wall_before, generator_before = service_cpu(server), time.monotonic(), time.process_time()
             load = heartbeat_load(server.base, nodes, period_s=args.hb_period, seconds=args.hb_seconds,
                                   threads=args.hb_threads)
-            cpu = server_cpu_seconds(Path(var)) - cpu_before
+            spent = cpu_spent(cpu_before, service_cpu(server))
             wall = time.monotonic() - wall_before
-    load["broker_cpu_pct"] = round(100 * cpu / wall, 1)
+            generator = time.process_time() - generator_before
+    load["broker_cpu_pct"] = round(100 * sum(spent.values()) / wall, 1)
+    load["cpu_pct_by_process"] = {role: round(100 * s / wall, 1) for role, s in sorted(spent.items())}
+    load.update(cpu_per_request(spent, generator, load["heartbeats"], wall))
     load["nodes"] = len(nodes)
     load["period_s"] = args.hb_period
     load["seconds"] = args.hb_seconds

@@ -133,29 +133,35 @@ class CompiledRead:
     `build(value)` returns the `values_list` queryset for one value of the query's one varying
     parameter. At first use per database the queryset is compiled with a marker in that value's place;
     each `rows(value)` then runs the SQL with the value put back and applies the columns' converters,
-    as the ORM's own iteration would."""
+    as the ORM's own iteration would. `varying=False`: a query without one (`build(None)`, `rows()`);
+    `INT_MARKER` for a value the ORM prepares as an integer (an id), which a string marker cannot stand for."""
 
     _MARKER = "\x00compiled-read\x00"
+    INT_MARKER = -(2**62) + 12  # no id is ever this
 
-    def __init__(self, build: Callable[[Any], models.QuerySet]) -> None:
+    def __init__(self, build: Callable[[Any], models.QuerySet], *, varying: bool = True, marker: Any = _MARKER) -> None:
         self._build = build
+        self._varying = varying
+        self._marker = marker
         self._compiled: dict[str, tuple[str, list[Any], int, list[tuple[int, list, Any]]]] = {}
 
-    def _compile(self, alias: str) -> tuple[str, list[Any], int, list[tuple[int, list, Any]]]:
-        compiler = self._build(self._MARKER).query.get_compiler(using=alias)
+    def _compile(self, alias: str) -> tuple[str, list[Any], int | None, list[tuple[int, list, Any]]]:
+        compiler = self._build(self._marker if self._varying else None).query.get_compiler(using=alias)
         sql, params = compiler.as_sql()
-        at = [i for i, param in enumerate(params) if param == self._MARKER]
-        if len(at) != 1:
+        at = [i for i, param in enumerate(params) if type(param) is type(self._marker) and param == self._marker]
+        if len(at) != (1 if self._varying else 0):
             raise ValueError(f"the query must use its value once, not {len(at)} times")
         converters = compiler.get_converters([expression for expression, _, _ in compiler.select])
-        return sql, list(params), at[0], [(i, convs, expression) for i, (convs, expression) in converters.items()]
+        return (sql, list(params), at[0] if at else None,
+                [(i, convs, expression) for i, (convs, expression) in converters.items()])
 
-    def rows(self, value: Any, *, using: str = DEFAULT_DB_ALIAS) -> list[list[Any]]:
+    def rows(self, value: Any = None, *, using: str = DEFAULT_DB_ALIAS) -> list[list[Any]]:
         compiled = self._compiled.get(using)
         if compiled is None:
             compiled = self._compiled[using] = self._compile(using)
         sql, params, at, converters = compiled
-        params = [*params[:at], value, *params[at + 1:]]
+        if at is not None:
+            params = [*params[:at], value, *params[at + 1:]]
         connection = connections[using]
         with connection.cursor() as cursor:
             cursor.execute(sql, params)

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Count, F
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
@@ -20,6 +20,7 @@ from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
 from broker.jobs.quota import QuotaRoom
 from broker.jobs.spec import Demand, spec_to_json
 from broker.jobs.states import TERMINAL_STATES, JobState, is_legal
+from broker.rows import CompiledRead
 from broker.tenancy.models import Quota, Tenant
 
 
@@ -83,12 +84,20 @@ def job_columns(validated: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# Read on every submission, their SQL written once per database (broker/rows.py): the three limits as one
+# plain row (one per tenant: no ORDER BY, no model instance), and the tenant's pending jobs counted.
+_QUOTA_OF_TENANT = CompiledRead(lambda tenant_id: Quota.objects.filter(tenant_id=tenant_id)
+                                .values_list("max_gpus", "max_compute_units", "max_pending_jobs")[:1],
+                                marker=CompiledRead.INT_MARKER)
+_PENDING_OF_TENANT = CompiledRead(lambda tenant_id: Job.objects.filter(tenant_id=tenant_id, state=JobState.PENDING)
+                                  .order_by().values("tenant_id").annotate(n=Count("id")).values_list("n"),
+                                  marker=CompiledRead.INT_MARKER)
+
+
 def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, Any]) -> Job:
     """Create a PENDING job from a validated spec (see `JobSpecSerializer`), all or nothing."""
     demand: Demand = validated["_demand"]
-    # The three limits as one plain row (one per tenant: no ORDER BY, no model instance), on every submission.
-    quota = next(iter(Quota.objects.filter(tenant_id=tenant.pk)
-                      .values_list("max_gpus", "max_compute_units", "max_pending_jobs")[:1]), None)
+    quota = next(iter(_QUOTA_OF_TENANT.rows(tenant.pk)), None)
     if quota is not None:
         max_gpus, max_compute_units, max_pending_jobs = quota
         if max_gpus and demand.total_gpus > max_gpus:
@@ -103,7 +112,7 @@ def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, 
             )
     with transaction.atomic():
         if quota is not None:
-            pending = Job.objects.filter(tenant=tenant, state=JobState.PENDING).count()
+            pending = next(iter(_PENDING_OF_TENANT.rows(tenant.pk)), [0])[0]
             if pending >= max_pending_jobs:
                 raise JobError(
                     f"Your tenant already has {pending} pending jobs (limit {max_pending_jobs}).",

@@ -2,10 +2,14 @@
 each repetition of the cycle starts from the state the seeding left. No timing is asserted."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +91,38 @@ def test_quick_run_prints_issue_12s_json_shape(tmp_path):
     assert {r["page"] for r in result["reads"]} == {"first", "state=FAILED", "page=5"}
     for r in result["reads"]:
         assert r["db"] == "sqlite" and r["jobs"] == 500 and r["errors"] == 0 and r["p99_ms"] > 0
+
+
+def test_the_services_processes_are_found_by_parentage_whatever_they_call_themselves():
+    """gunicorn renames its processes (setproctitle), so the bench finds a server's processes by parentage:
+    a grandchild with nothing in its argv or environment to say whose it is is found, this process is not."""
+    from bench.procs import process_role, process_tree
+
+    grandchild = "import time; time.sleep(30)"  # no var dir, no marker anywhere in its argv or environment
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time;"
+                               f"subprocess.Popen([sys.executable, '-c', {grandchild!r}], env={{}}); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        tree = process_tree([parent.pid])
+        while len(tree) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            tree = process_tree([parent.pid])
+        assert parent.pid in tree and len(tree) == 2, tree
+        assert os.getpid() not in tree
+    finally:
+        for pid in process_tree([parent.pid]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+    assert process_role(["gunicorn: worker [broker.wsgi:application]"]) == "web"
+    assert process_role(["/venv/bin/python", "-m", "celery", "-A", "broker", "beat"]) == "beat"
+    assert process_role(["/venv/bin/python", "-m", "celery", "-A", "broker", "worker"]) == "worker"
+
+
+def test_cpu_per_request_divides_each_process_roles_cpu_by_the_answers():
+    spent = service.cpu_spent({1: ("web", 2.0), 2: ("worker", 1.0)},
+                              {1: ("web", 4.0), 2: ("worker", 1.5), 3: ("python", 0.25)})
+    assert spent == {"web": 2.0, "worker": 0.5, "python": 0.25}
+    out = service.cpu_per_request(spent, 0.5, 500, 10.0)
+    assert out["cpu_ms_per_request"] == 5.5 and out["cpu_ms_per_request_by_process"]["web"] == 4.0
+    assert out["generator_cpu_ms_per_request"] == 1.0 and out["service_cores"] == 0.28 and out["web_cores"] == 0.2

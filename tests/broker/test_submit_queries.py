@@ -68,3 +68,24 @@ def test_the_submission_answer_is_what_reading_the_job_says(acme):
                  if q["sql"].lstrip().upper().startswith("SELECT") and 'FROM "jobs_job"' in q["sql"]
                  and "COUNT(" not in q["sql"].upper()]
     assert job_reads == []  # nothing read back
+
+
+def test_the_pending_jobs_limit_counts_this_tenants_pending_jobs_only(acme, globex):
+    """The quota's pending-jobs limit (read by SQL compiled once per database, broker/rows.py): the tenant's
+    own pending jobs count, another tenant's and its own finished ones do not; at the limit a 429 says so."""
+    from broker.jobs.models import Job
+    from broker.tenancy.models import Quota
+
+    spec = {"name": "q", "command": ["true"], "resources": {"gpus": 1}}
+    Quota.objects.update_or_create(tenant=acme.tenant, defaults={"max_pending_jobs": 2})
+    for _ in range(3):
+        assert globex.client.post("/api/v1/jobs/", spec, format="json").status_code == 201
+    first = acme.client.post("/api/v1/jobs/", spec, format="json")
+    assert first.status_code == 201
+    Job.objects.filter(pk=first.json()["id"]).update(state="SUCCEEDED")  # finished: no longer pending
+    assert acme.client.post("/api/v1/jobs/", spec, format="json").status_code == 201
+    assert acme.client.post("/api/v1/jobs/", spec, format="json").status_code == 201
+    refused = acme.client.post("/api/v1/jobs/", spec, format="json")
+    assert refused.status_code == 429, refused.content
+    assert "already has 2 pending jobs (limit 2)" in refused.json()["non_field_errors"][0]
+    assert Job.objects.filter(tenant=acme.tenant, state="PENDING").count() == 2
