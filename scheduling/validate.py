@@ -20,7 +20,6 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
     launches = {launch.launch_id: launch for launch in plan.launches}
     pricing = Pricing(snapshot)
     used: dict[tuple[str, int, int], int] = defaultdict(int)  # (node or launch, instance, GPU) -> milli
-    whole_taken: set[tuple[str, int, int]] = set()
     cpu: dict[tuple[str, int], int] = defaultdict(int)
     mem: dict[tuple[str, int], int] = defaultdict(int)
     tenant_gpus: dict[str, float] = defaultdict(float)
@@ -54,6 +53,8 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
             problems.append(f"{job.job_id}: multi-node gang without a fast fabric")
         model = placement.gpu_model
         count = pricing.gpu_count(job, model)
+        if count % max(1, job.nodes):
+            problems.append(f"{job.job_id}: {count} GPUs do not split evenly over {job.nodes} nodes")
         for part in parts:
             home = part.node_id or part.launch_id or "?"
             gpus = _gpus_of(part, nodes, offers, launches)
@@ -72,8 +73,6 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
                     continue
                 key = (home, part.instance, index)
                 used[key] += part.gpu_milli
-                if part.gpu_milli >= WHOLE_GPU_MILLI:
-                    whole_taken.add(key)
                 if used[key] + gpu[1] > WHOLE_GPU_MILLI:
                     problems.append(f"{job.job_id}: GPU {index} on {home} over-allocated")
                 if job.allowed_models and gpu[0] not in job.allowed_models:
@@ -95,7 +94,7 @@ def plan_violations(snapshot: Snapshot, plan: Plan) -> list[str]:
             problems.append(f"{job.job_id}: spot policy {job.spot} broken")
 
     problems += _migration_violations(snapshot, plan, nodes, offers, launches, used, cpu, mem)
-    problems += _access_and_quota_violations(snapshot, plan, nodes, offers, launches, pricing)
+    problems += _access_and_quota_violations(snapshot, plan, nodes, offers, launches)
     for (home, instance), total in cpu.items():
         limit = _host_limit(home, nodes, launches, offers)
         if limit is not None and (total > limit[0] or mem[home, instance] > limit[1]):
@@ -206,7 +205,7 @@ def _host_limit(home, nodes, launches, offers) -> tuple[int, int] | None:
     return None if offer is None else (offer.vcpus * 1000, offer.memory_mb)
 
 
-def _access_and_quota_violations(snapshot: Snapshot, plan: Plan, nodes, offers, launches, pricing) -> list[str]:
+def _access_and_quota_violations(snapshot: Snapshot, plan: Plan, nodes, offers, launches) -> list[str]:
     """Pool access (a team only on nodes and offers open to it) and quotas of owned capacity, derived
     here from the rules of docs/quotas.md, not from the engine's ledger: what the plan adds to a
     team's use of a flavor stays within nominal + borrowing limit, all teams' use beyond their

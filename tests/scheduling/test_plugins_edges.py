@@ -244,3 +244,13 @@ def test_a_compute_unit_job_counts_against_a_teams_quota_in_gpus_of_the_model_it
                     quotas=(QuotaShare("acme", "H100", 2.0), QuotaShare("globex", "H100", 6.0)))
     placement = schedule(snap, STRICT).placement_for("cu")
     assert placement is not None and len(placement.gpu_indices) == 2
+
+
+# -- GPU memory ------------------------------------------------------------------------------------
+def test_a_job_asking_for_any_gpu_memory_at_all_is_told_memory_is_short_where_none_is_free():
+    # Whole GPUs free by share, their memory filled (by something outside the scheduler): a job that
+    # asks for 1 MB is short of GPU memory, not of GPUs; one that asks for none is placed.
+    node = gpu_node("n", gpus=2, free_memory={0: 0, 1: 0})
+    reason = reason_of(snapshot([node], [job("j", min_gpu_memory_mb=1)]))
+    assert reason.code == ReasonCode.INSUFFICIENT_GPU_MEMORY
+    assert schedule(snapshot([node], [job("j")]), FAST).placement_for("j") is not None
