@@ -12,19 +12,20 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from broker.agents.fencing import fence_wait_seconds
-from broker.agents.models import NodeAgent
+from broker.agents.models import AssignmentReport, NodeAgent
 from broker.agents.services import (ConfirmForbidden, agent_heartbeat, lost_after_seconds,
                                     node_confirm_powered_off, node_give_up, nodes_mark_lost)
-from broker.inventory.models import Gpu, Node, NodeState
+from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.inventory.services import node_create_simulated, pool_join_token_issue
-from broker.jobs.models import Allocation, JobEvent
+from broker.jobs.models import Allocation, Job, JobEvent
 from broker.jobs.services import GpuRequest, allocation_commit, job_requeue, jobs_requeue_on_node
 from broker.jobs.states import JobState
 from broker.ops.models import PeriodicRun
 from broker.scheduler import outage
 
-from .test_agent_api import API, agent_client, cloud_instance, reading, register_body
+from .test_agent_api import API, agent_client, cloud_instance, place, reading, register_body, registered, report  # noqa: F401
 from .test_api_tenancy import submit
+from .test_checkpoints import report_checkpoint, root, running_job, verify_queue, write  # noqa: F401 (fixtures)
 
 
 def _register(join_token: str, name: str) -> tuple[Node, str]:
@@ -75,7 +76,7 @@ def test_a_heartbeat_records_version_mig_mode_ecc_and_the_agents_error(acme, joi
     assert node.agent_version == "9.9.9"
 
 
-def test_a_lost_node_coming_back_brings_back_only_itself_with_its_new_version(acme, join_token):
+def test_a_lost_node_coming_back_brings_back_only_itself_with_its_new_version(acme, join_token, monkeypatch):
     back, token = _register(join_token, "hb-back")
     silent, _ = _register(join_token, "hb-silent")
     Node.objects.filter(pk__in=[back.pk, silent.pk]).update(state=NodeState.LOST)
@@ -85,6 +86,17 @@ def test_a_lost_node_coming_back_brings_back_only_itself_with_its_new_version(ac
     silent.refresh_from_db()
     assert (back.state, back.agent_version) == (NodeState.ONLINE, "2.0.0")
     assert silent.state == NodeState.LOST
+    # Back with the time it was heard: the next sweep does not mark it LOST again at once.
+    Node.objects.filter(pk=back.pk).update(last_heartbeat_at=timezone.now() - timedelta(hours=1))
+    Node.objects.filter(pk=back.pk).update(state=NodeState.LOST)
+    before = timezone.now()
+    assert agent_client(token).post(f"{API}/heartbeat", {}, format="json").json()["lost"] is True
+    back.refresh_from_db()
+    assert back.state == NodeState.ONLINE and back.last_heartbeat_at >= before
+    monkeypatch.setattr(outage, "agents_way_in_answers", lambda: True)
+    assert back not in nodes_mark_lost()
+    back.refresh_from_db()
+    assert back.state == NodeState.ONLINE
 
 
 def test_a_cloud_instances_node_marked_lost_under_its_heartbeat_stays_lost(acme, gpu_models):
@@ -93,11 +105,36 @@ def test_a_cloud_instances_node_marked_lost_under_its_heartbeat_stays_lost(acme,
     _, instance_token = cloud_instance(acme)
     resp = APIClient().post(f"{API}/register", register_body(instance_token), format="json")
     node = Node.objects.get(pk=resp.json()["node_id"])
-    Node.objects.filter(pk=node.pk).update(state=NodeState.LOST)
-    answer = agent_heartbeat(node=node, data={})
+    Node.objects.filter(pk=node.pk).update(state=NodeState.LOST, last_heartbeat_at=timezone.now() - timedelta(hours=1))
+    before = timezone.now()
+    answer = agent_heartbeat(node=node, data={"agent_version": "3.1.0"})
     assert answer["lost"] is False
     node.refresh_from_db()
     assert node.state == NodeState.LOST
+    # Still heard: when and which version, for the operator (and the outage check) to read.
+    assert node.last_heartbeat_at >= before and node.agent_version == "3.1.0"
+
+
+def test_a_lost_node_taken_offline_under_its_heartbeat_does_not_come_back(acme, join_token, monkeypatch):
+    """The node is LOST when its heartbeat's stamp is refused, and an admin takes it OFFLINE before the
+    heartbeat brings it back (two statements in one transaction; on PostgreSQL another commit may land
+    between them): it stays OFFLINE."""
+    from broker.agents import services
+
+    node, _ = _register(join_token, "hb-offline")
+    Node.objects.filter(pk=node.pk).update(state=NodeState.LOST)
+    real = services.row_update
+
+    def retired_meanwhile(model, *args, **kwargs):
+        answer = real(model, *args, **kwargs)
+        if model is Node and answer is None:
+            Node.objects.filter(pk=node.pk).update(state=NodeState.OFFLINE)
+        return answer
+
+    monkeypatch.setattr(services, "row_update", retired_meanwhile)
+    assert agent_heartbeat(node=node, data={})["lost"] is False
+    node.refresh_from_db()
+    assert node.state == NodeState.OFFLINE
 
 
 # -- retiring a cloud instance's node ------------------------------------------------------------
@@ -277,3 +314,191 @@ def test_a_node_that_changed_during_the_sweep_is_left_alone_and_the_rest_still_s
     assert [n.pk for n in nodes_mark_lost(now=now)] == [third.pk]
     states = dict(Node.objects.filter(pk__in=[first.pk, second.pk, third.pk]).values_list("pk", "state"))
     assert states == {first.pk: NodeState.ONLINE, second.pk: NodeState.OFFLINE, third.pk: NodeState.LOST}
+
+
+# -- status reports ------------------------------------------------------------------------------
+def test_a_report_is_recorded_as_the_agent_sent_it_and_told_in_the_jobs_timeline(acme, registered):
+    node, token = registered
+    job, allocation = place(acme, node)
+    resp = report(token, allocation, "running", reason="started", pid=123, message="train.py started")
+    assert resp.json() == {"ok": True, "state": "running", "recorded": True}
+    row = AssignmentReport.objects.get(allocation=allocation)
+    assert (row.state, row.reason, row.exit_code, row.message, row.pid) == ("running", "started", None,
+                                                                           "train.py started", 123)
+    event = JobEvent.objects.filter(job=job, kind="agent").latest("id")
+    assert (event.reason_code, event.message) == ("AGENT_RUNNING", f"{node.name}: train.py started")
+    assert event.data == {"node": node.name, "allocation": allocation.pk, "state": "running", "reason": "started",
+                          "exit_code": None, "pid": 123}
+    # Only what the agent says: no reason, message or pid.
+    assert report(token, allocation, "exited", exit_code=0, message="").status_code == 200
+    row.refresh_from_db()
+    assert (row.state, row.reason, row.exit_code, row.message, row.pid) == ("exited", "", 0, "", None)
+    event = JobEvent.objects.filter(job=job, kind="agent").latest("id")
+    assert (event.reason_code, event.message) == ("AGENT_EXITED", f"{node.name}: exited")
+    assert event.data == {"node": node.name, "allocation": allocation.pk, "state": "exited", "reason": "",
+                          "exit_code": 0, "pid": None}
+
+
+def test_a_report_for_no_assignment_of_this_node_or_of_an_old_epoch_is_refused_in_words(acme, registered):
+    node, token = registered
+    _, allocation = place(acme, node)
+    _, foreign = place(acme, acme.nodes[1], indices=(0,))
+    resp = report(token, foreign, "running")
+    assert (resp.status_code, resp.json()) == (404, {"detail": f"No assignment {foreign.pk} on this node."})
+    resp = report(token, allocation, "running", epoch=allocation.epoch + 5)
+    said = f"Assignment {allocation.pk} is at epoch {allocation.epoch}, not {allocation.epoch + 5}."
+    assert (resp.status_code, resp.json()) == (409, {"epoch": [said], "detail": said})
+
+
+def test_another_finished_job_does_not_silence_the_reports_of_a_live_one(acme, registered):
+    node, token = registered
+    done = submit(acme, name="done")
+    Job.objects.filter(pk=done.pk).update(state=JobState.SUCCEEDED)
+    job, allocation = place(acme, node)
+    assert report(token, allocation, "running", reason="started").json()["recorded"] is True
+    job.refresh_from_db()
+    assert job.state == JobState.RUNNING
+
+
+def test_the_answer_to_a_checkpoint_report_is_the_process_report_it_leaves_as_it_was(acme, registered, root,
+                                                                                      verify_queue):
+    node, token = registered
+    job, allocation = running_job(acme, node, root)
+    report(token, allocation, "running", reason="started")
+    resp = report_checkpoint(token, allocation, write(root, 5))
+    assert (resp.status_code, resp.json()) == (200, {"ok": True, "state": "running", "recorded": True})
+    assert AssignmentReport.objects.get(allocation=allocation).state == "running"
+
+
+def test_a_job_that_died_with_its_gpus_names_each_and_fails_only_those(acme, registered, join_token):
+    node, token = registered
+    other, _ = _register(join_token, "gpu-other")
+    job, allocation = place(acme, node)
+    report(token, allocation, "running", reason="started")
+    resp = report(token, allocation, "failed", reason="signal", exit_code=-9,
+                  failed_gpus={"3": ["Xid 79", "fell off the bus"], "1": []})
+    assert resp.status_code == 200
+    job.refresh_from_db()
+    assert (job.state, job.pending_reason_code) == (JobState.PENDING, "GPU_FAILED")
+    assert job.pending_reason == (f"{node.name}: the job died with its GPU (GPU 1: FAILED; GPU 3: Xid 79, fell off "
+                                  "the bus); it restarts elsewhere.")
+    failed = set(Gpu.objects.filter(health=GpuHealth.FAILED).values_list("node__name", "index"))
+    assert failed == {(node.name, 1), (node.name, 3)}, "only the GPUs named, only on this node"
+    assert Gpu.objects.filter(node=other, health=GpuHealth.HEALTHY).count() == 4
+
+
+def test_an_instance_token_used_up_by_a_registration_racing_this_one_is_refused(acme, gpu_models, monkeypatch):
+    """Two registrations with one instance token: the other consumed it between this one's check and its
+    consumption (broker.provisioning's compare-and-set said no). PostgreSQL runs the real race in
+    test_agent_api; this is its answer on any database."""
+    _, instance_token = cloud_instance(acme)
+    monkeypatch.setattr("broker.provisioning.services.instance_join_token_consume", lambda **kwargs: False)
+    resp = APIClient().post(f"{API}/register", register_body(instance_token), format="json")
+    assert (resp.status_code, resp.json()) == (401, {"detail": "Invalid join token."})
+    assert not Node.objects.filter(name__startswith="aws-east").exists()
+
+
+# -- registration --------------------------------------------------------------------------------
+def test_a_name_another_teams_node_has_is_a_new_node_in_this_teams_pool(acme, globex, join_token):
+    theirs = globex.nodes[0]  # seeded, no agent yet: takeable by an agent of *its* pool
+    before = (theirs.pool_id, theirs.tenant_id, dict(theirs.labels), theirs.epoch)
+    node, _ = _register(join_token, theirs.name)
+    assert node.pk != theirs.pk and (node.pool, node.tenant) == (acme.pool, acme.tenant)
+    theirs.refresh_from_db()
+    assert (theirs.pool_id, theirs.tenant_id, dict(theirs.labels), theirs.epoch) == before
+    assert not NodeAgent.objects.filter(node=theirs).exists()
+
+
+def test_registration_records_what_the_agent_says_of_its_host_and_forgets_what_it_no_longer_says(acme,
+                                                                                                   join_token):
+    body = {**register_body(join_token, name="host-1"), "hostname": "host-1.dc1", "agent_version": "1.4.2",
+            "cpu_milli": 96000, "memory_mb": 512 * 1024, "container_runtimes": ["podman"]}
+    resp = APIClient().post(f"{API}/register", body, format="json")
+    assert resp.status_code == 201, resp.content
+    node = Node.objects.get(pk=resp.json()["node_id"])
+    assert (node.hostname, node.agent_version, node.cpu_milli, node.memory_mb, node.container_runtimes) == (
+        "host-1.dc1", "1.4.2", 96000, 512 * 1024, ["podman"])
+    for key in ("hostname", "agent_version", "cpu_milli", "memory_mb", "container_runtimes"):
+        del body[key]
+    assert APIClient().post(f"{API}/register", body, format="json").status_code == 200
+    node.refresh_from_db()
+    assert (node.hostname, node.agent_version, node.cpu_milli, node.memory_mb, node.container_runtimes) == (
+        "", "", 0, 0, [])
+
+
+def test_registration_keeps_a_summary_of_each_gpus_place_in_the_topology(acme, join_token):
+    body = register_body(join_token, name="topo-1")
+    resp = APIClient().post(f"{API}/register", body, format="json")
+    node = Node.objects.get(pk=resp.json()["node_id"])
+    keys = ("index", "nvlink_island", "nvlink_peers", "numa_node", "cpu_affinity", "pci_bus_id")
+    assert node.topology["gpus_summary"] == [{k: g[k] for k in keys} for g in body["gpus"]]
+    assert node.topology["gpus_summary"][2] == {"index": 2, "nvlink_island": 0, "nvlink_peers": [0, 1, 3],
+                                                "numa_node": 1, "cpu_affinity": "64-127",
+                                                "pci_bus_id": body["gpus"][2]["pci_bus_id"]}
+
+
+def test_each_registration_moves_the_nodes_epoch_on_by_one_and_stamps_its_gpus(acme, join_token):
+    before = timezone.now()
+    node, _ = _register(join_token, "epoch-1")
+    first = node.epoch
+    assert all(g.last_seen_at is not None and g.last_seen_at >= before for g in node.gpus.all())
+    again = APIClient().post(f"{API}/register", register_body(join_token, name="epoch-1", agent_key="key-epoch-1-xx"),
+                             format="json")
+    assert again.status_code == 200 and again.json()["epoch"] == first + 1
+
+
+def test_a_new_agent_taking_over_a_lost_node_requeues_its_jobs_and_the_same_agent_does_not(acme, join_token):
+    node, _ = _register(join_token, "take-1")
+    job = submit(acme, name="on-take-1")
+    allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    same = register_body(join_token, name="take-1", agent_key="key-take-1-xx")  # its first answer was lost
+    assert APIClient().post(f"{API}/register", same, format="json").status_code == 200
+    job.refresh_from_db()
+    assert job.state == JobState.PLACED
+    Node.objects.filter(pk=node.pk).update(state=NodeState.LOST)
+    body = register_body(join_token, name="take-1", agent_key="key-newcomer-1")
+    assert APIClient().post(f"{API}/register", body, format="json").status_code == 200
+    job.refresh_from_db()
+    assert (job.state, job.pending_reason_code) == (JobState.PENDING, "NODE_REREGISTERED")
+    assert job.pending_reason == "Node take-1 was taken over by a new agent."
+
+
+def test_a_given_up_instances_node_name_is_refused_in_words(acme, gpu_models):
+    instance, token = cloud_instance(acme)
+    node_id = APIClient().post(f"{API}/register", register_body(token), format="json").json()["node_id"]
+    Node.objects.filter(pk=node_id).update(state=NodeState.LOST)
+    body = register_body(pool_join_token_issue(pool=instance.pool), name=instance.node_name, agent_key="key-takeover-1")
+    resp = APIClient().post(f"{API}/register", body, format="json")
+    said = (f"Node {instance.node_name} in pool {instance.pool.name} belongs to a cloud instance the broker gave up "
+            "on; it cannot be registered again.")
+    assert (resp.status_code, resp.json()) == (409, {"name": [said], "detail": said})
+
+
+def test_a_gpu_uuid_taken_by_a_racing_registration_is_refused_in_words(acme, globex, registered, monkeypatch):
+    monkeypatch.setattr("broker.agents.services._refuse_duplicate_gpus", lambda **kwargs: None)
+    node, _ = registered
+    body = register_body(pool_join_token_issue(pool=globex.pool), name="copycat", agent_key="key-copycat")
+    body["gpus"][0]["uuid"] = node.gpus.get(index=3).uuid
+    resp = APIClient().post(f"{API}/register", body, format="json")
+    said = ("A GPU UUID of this node is already registered to another node; remove that node before registering "
+            "the GPU here.")
+    assert (resp.status_code, resp.json()) == (409, {"gpus": [said], "detail": said})
+
+
+def test_the_agent_record_is_what_this_agent_sent_and_starts_without_the_last_ones_troubles(acme, join_token):
+    """What the admin's agent page shows: backend, drivers, isolation, metrics URL of the agent that
+    registered last, with no missed heartbeats and no error carried over from the agent before it."""
+    body = {**register_body(join_token, name="rec-1"), "metrics_url": "http://10.0.0.5:9400/metrics"}
+    assert APIClient().post(f"{API}/register", body, format="json").status_code == 201
+    agent = NodeAgent.objects.get(node__name="rec-1")
+    sent = (body["backend"], body["driver_version"], body["cuda_driver_version"], body["job_isolation"],
+            body["metrics_url"])
+    assert (agent.backend, agent.driver_version, agent.cuda_driver_version, agent.job_isolation,
+            agent.metrics_url) == sent
+    NodeAgent.objects.filter(pk=agent.pk).update(missed_heartbeats=7, last_error="nvml: driver not loaded")
+    for key in ("backend", "driver_version", "cuda_driver_version", "job_isolation", "metrics_url"):
+        del body[key]
+    assert APIClient().post(f"{API}/register", body, format="json").status_code == 200
+    agent.refresh_from_db()
+    assert (agent.backend, agent.driver_version, agent.cuda_driver_version, agent.job_isolation,
+            agent.metrics_url, agent.missed_heartbeats, agent.last_error) == ("", "", "", "", "", 0, "")

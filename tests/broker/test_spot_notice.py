@@ -65,6 +65,19 @@ def test_a_job_without_checkpoints_is_requeued_at_once_and_told_it_restarts(acme
     assert "restarts from the beginning" in job.pending_reason
 
 
+def test_the_answer_to_a_notice_carries_the_epoch_after_the_jobs_were_moved_off(acme, registered):
+    node, token = registered
+    job = submit(acme, resources={"gpus": 1})
+    allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    node.refresh_from_db()
+    before = node.epoch
+    resp = heartbeat(token, interruption=notice(30))
+    assert resp.status_code == 200
+    node.refresh_from_db()
+    assert node.epoch > before, "the requeue released the job's GPUs"
+    assert resp.json()["epoch"] == node.epoch, "the agent drops the old assignment at once"
+
+
 def test_every_heartbeat_repeats_the_notice_but_it_acts_once(acme, registered, root, verify_queue):
     node, token = registered
     job, _ = running_job(acme, node, root)
