@@ -50,6 +50,17 @@ def _positive(text: str) -> float:
     return value
 
 
+def _powers(text: str) -> tuple[float, ...]:
+    return tuple(_positive(part) for part in text.split(","))
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of 0 or more, not {text}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.fragmentation", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", required=True, help="node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
@@ -63,9 +74,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--broker-every", type=int, default=64,
                    help="whalezen-broker and whalezen-batch: arrivals per cycle")
     p.add_argument("--broker-moves", type=int, default=8, help="whalezen-batch: migrations per cycle")
-    p.add_argument("--lookahead-power", type=_positive, default=None,
-                   help="whalezen-online's look-ahead power n in (1 - q)^n (default: the policy's own, 10); "
-                        "for sweeps. 1 is FGD's measure")
+    p.add_argument("--lookahead-power", type=_powers, default=None,
+                   help="whalezen-online's look-ahead powers n in (1 - q)^n, comma-separated (the measure is "
+                        "their mean; default: the policy's own, 2,10); for sweeps. 1 is FGD's measure")
+    p.add_argument("--home-weight", type=_non_negative, default=None,
+                   help="whalezen-online's weight of the scarce-homes term (default: the policy's own, 1; "
+                        "0 turns it off); for sweeps")
     p.add_argument("--no-bound", action="store_true", help="skip the LP upper bound")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--placements-out", help="CSV of one policy's placements for the first seed")
@@ -184,13 +198,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
             if name == BROKER:
                 from scheduling.sim.engine_broker import run_engine_broker
 
-                run = run_engine_broker(cluster, arrivals, workload, every=args.broker_every, seed=seed)
+                run = run_engine_broker(cluster, arrivals, workload, every=args.broker_every, seed=seed,
+                                        tasks=seed_tasks)
             elif name == BATCH:
                 run = run_broker(cluster, arrivals, workload, rng, every=args.broker_every,
                                  max_moves=args.broker_moves)
             else:
-                run = run_online(cluster, arrivals, make_policy(name, workload, lookahead_power=args.lookahead_power),
-                                 rng, record)
+                policy = make_policy(name, workload, lookahead_powers=args.lookahead_power,
+                                     tasks=seed_tasks, home_weight=args.home_weight)
+                run = run_online(cluster, arrivals, policy, rng, record)
             seconds[name] += time.perf_counter() - t0
             runs[name].append(run)
             if record:
@@ -204,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"{n} {runs[n][-1].alloc_at(target_pct):.2f}%" for n in names), file=sys.stderr, flush=True)
     result: dict = {"total_gpus": int(total_gpus), "seeds": args.seeds,
                     "pods": Path(args.pods).name, "derive": args.derive,
-                    "lookahead_power": args.lookahead_power,  # null: whalezen-online's own
+                    # null: whalezen-online's own
+                    "lookahead_power": list(args.lookahead_power) if args.lookahead_power else None,
+                    "home_weight": args.home_weight,  # null: whalezen-online's own
                     "upper_bound_unallocated_at_130": (
                         round(total_gpus - float(np.mean(bounds)) / MILLI, 1) if bounds else None),
                     "upper_bound_unallocated_at_100": (

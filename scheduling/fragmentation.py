@@ -305,3 +305,82 @@ def stranded_batch(
     if mem_per_gpu > 0 and mem_free is not None:
         out = np.maximum(out, total - np.asarray(mem_free, dtype=np.float64) / mem_per_gpu)
     return out
+
+
+@dataclass(frozen=True)
+class ScarceHomes:
+    """Task classes whose homes are a small part of the cluster, with the worth of keeping them.
+
+    One entry per distinct GPU task of the list (CPU, memory, milli-GPU per GPU, GPUs, allowed
+    models), whatever its popularity: FGD's typical-task cut drops a class asked for by 5 tasks
+    in 8,000, yet 8-GPU gangs of 120 cores and 720 GiB fit only the 39 largest of 1,213 nodes.
+    ``weight[k] = g_k * (1 / S_k - 1)``: ``g_k`` is the class's share of the list's GPU demand,
+    ``S_k`` the share of the cluster's GPUs on nodes that could take the class when empty. A class
+    that fits everywhere weighs 0 (the FGD measure already sees it); one whose homes hold 5% of the
+    GPUs weighs 19 times its demand share; one that fits nowhere weighs 0 (nothing to keep).
+    """
+
+    cpu: np.ndarray
+    mem: np.ndarray
+    milli: np.ndarray
+    num: np.ndarray
+    models: tuple[frozenset[str] | None, ...]
+    weight: np.ndarray
+
+    def model_access(self, models: Sequence[str]) -> np.ndarray:
+        """Boolean matrix (len(models), K): may class k run on a GPU of model ``models[i]``."""
+        return np.array([[allowed is None or m in allowed for allowed in self.models] for m in models],
+                        dtype=bool).reshape(len(models), len(self.models))
+
+
+def scarce_homes(tasks: Iterable[tuple[int, int, int, int, frozenset[str] | None, float]],
+                 nodes: Iterable[tuple[int, int, int, str]]) -> ScarceHomes:
+    """:class:`ScarceHomes` of a task mix ``(cpu_milli, memory_mib, gpu_milli, num_gpu, models,
+    count)`` (one row per task with count 1, or one per class with its count or popularity) on a
+    cluster of nodes ``(num_gpu, cpu_milli, memory_mib, model)``; derived at run time from both,
+    nothing tuned. Only the classes with a positive weight are kept."""
+    demand: Counter[tuple[int, int, int, int, frozenset[str] | None]] = Counter()
+    for cpu, mem, milli, num, models, count in tasks:
+        if num > 0 and milli > 0 and count > 0:
+            demand[(int(cpu), int(mem), int(milli), int(num), frozenset(models) if models else None)] += (
+                int(milli) * int(num) * count)
+    shapes = Counter(nodes)  # a cluster has few node shapes
+    cluster_gpus = sum(n[0] * count for n, count in shapes.items())
+    total = sum(demand.values())
+    kept: list[tuple[tuple[int, int, int, int, frozenset[str] | None], float]] = []
+    for key, gpu_milli in sorted(demand.items(), key=lambda kv: (kv[0][:4], sorted(kv[0][4] or ()))):
+        cpu, mem, milli, num, models = key
+        homes = sum(g * count for (g, c, m, model), count in shapes.items()
+                    if g >= num and c >= cpu and m >= mem and (models is None or model in models))
+        if homes <= 0 or cluster_gpus <= 0:
+            continue
+        weight = gpu_milli / total * (cluster_gpus / homes - 1.0)
+        if weight > 1e-9:
+            kept.append((key, weight))
+    return ScarceHomes(
+        cpu=np.array([k[0] for k, _ in kept], dtype=np.int64),
+        mem=np.array([k[1] for k, _ in kept], dtype=np.int64),
+        milli=np.array([k[2] for k, _ in kept], dtype=np.int64),
+        num=np.array([k[3] for k, _ in kept], dtype=np.int64),
+        models=tuple(k[4] for k, _ in kept),
+        weight=np.array([w for _, w in kept], dtype=np.float64))
+
+
+def home_value_batch(gpu_free: np.ndarray, cpu_free: np.ndarray, mem_free: np.ndarray,
+                     homes: ScarceHomes, access: np.ndarray) -> np.ndarray:
+    """Scarce capacity (milli-GPU, weighted) N nodes still offer: for each class of ``homes`` that
+    could start on the node now, the free milli on the GPUs it could use, times its weight.
+
+    A placement lowers it by what it takes from scarce classes (the GPUs it uses, or all of the
+    node's free GPUs for a class it shuts out), so a task with homes elsewhere is charged for
+    landing on the only home of another class. ``access``: (N, K) model access per node.
+    """
+    g = np.asarray(gpu_free, dtype=np.int64)
+    if not len(homes.weight):
+        return np.zeros(len(g))
+    usable = g[:, None, :] >= homes.milli[None, :, None]  # (N, K, G)
+    ok = ((usable.sum(axis=2) >= homes.num[None, :])
+          & (np.asarray(cpu_free, dtype=np.int64)[:, None] >= homes.cpu[None, :])
+          & (np.asarray(mem_free, dtype=np.int64)[:, None] >= homes.mem[None, :]) & access)
+    offered = np.where(usable, g[:, None, :], 0).sum(axis=2)  # (N, K)
+    return np.where(ok, offered, 0) @ homes.weight

@@ -329,6 +329,9 @@ class Snapshot:
     seed: int = 0
     # Expected task mix for the fragmentation term; empty = the pending jobs themselves.
     workload: tuple[WorkloadClass, ...] = ()
+    # The whole task mix, rare classes and memory included, for the scarce-homes term
+    # (`fragmentation.scarce_homes`); empty = `workload` (or the pending jobs).
+    task_mix: tuple[WorkloadClass, ...] = ()
     # Shared instance caps of offer groups (pools); a group not listed has none.
     launch_limits: tuple[LaunchLimit, ...] = ()
     # Teams' quotas of owned capacity and their decayed past usage (fair share).

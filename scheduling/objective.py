@@ -157,7 +157,7 @@ def _host_costs_of_class(problem: Problem, class_index: int) -> dict[int, float]
 
 def _fragmentation_sum(caps: list[NodeCapacity], workload, vectors: list[list[int]]) -> float:
     """Fragmentation measure (GPUs, `patterns.node_cost_batch`) of the nodes `caps` with free milli
-    `vectors`, CPU as the cycle found it; one vectorised call instead of one per node."""
+    `vectors`, CPU and memory as the cycle found them; one vectorised call instead of one per node."""
     import numpy as np
 
     from scheduling.patterns import node_cost_batch
@@ -167,5 +167,6 @@ def _fragmentation_sum(caps: list[NodeCapacity], workload, vectors: list[list[in
     for row, vector in enumerate(vectors):
         gpu_free[row, : len(vector)] = vector
     cpu = np.array([cap.free_cpu for cap in caps], dtype=np.int64)
+    mem = np.array([cap.free_mem for cap in caps], dtype=np.int64)
     models = [cap.node.gpus[0].model if cap.node.gpus else "" for cap in caps]
-    return float(node_cost_batch(gpu_free, cpu, models, workload).sum())
+    return float(node_cost_batch(gpu_free, cpu, models, workload, mem).sum())

@@ -68,16 +68,25 @@ def fits(islands: list[int], items: list[ItemType]) -> bool:
     return place(0, list(islands))
 
 
-def to_workload(classes: tuple[WorkloadClass, ...]) -> fgd.Workload | None:
+@dataclass(frozen=True)
+class EngineWorkload(fgd.Workload):
+    """The engine's task mix with the classes whose homes are scarce on this snapshot's nodes:
+    every fragmentation measure the engine takes (`node_cost_batch`) carries both."""
+
+    homes: fgd.ScarceHomes | None = None
+
+
+def to_workload(classes: tuple[WorkloadClass, ...], homes: fgd.ScarceHomes | None = None) -> fgd.Workload | None:
     usable = [c for c in classes if c.weight > 0]
     if not usable:
         return None
-    return fgd.normalise(
+    mix = fgd.normalise(
         fgd.TaskClass(cpu_milli=c.cpu_milli, gpu_milli=c.gpu_milli if c.gpus > 0 else 0, num_gpu=c.gpus,
                       weight=c.weight, memory_mib=c.memory_mb,
                       gpu_models=frozenset(c.gpu_models) if c.gpu_models else None)
         for c in usable
     )
+    return mix if homes is None or not HOME_WEIGHT else EngineWorkload(mix.classes, homes)
 
 
 # CPU/memory stranding (WhaleZen's look-ahead, as whalezen-online): the GPU capacity a node will
@@ -90,13 +99,20 @@ def to_workload(classes: tuple[WorkloadClass, ...]) -> fgd.Workload | None:
 # Measured on the FGD protocol (seed 42, GPUs free at the end, before the packer change): alpha 2
 # -> 373.5, alpha 4 -> 372.3.
 STRANDING_ALPHA = 2.0
+# Scarce homes (as whalezen-online, `scheduling.sim.whalezen`): a part's host and fit costs also
+# carry HOME_WEIGHT x the scarce capacity it takes from task classes that fit few nodes
+# (`fragmentation.home_value_batch`, in GPUs), so one-GPU tasks stay off the only nodes that
+# take the largest gangs. 1 is whalezen-online's weight.
+HOME_WEIGHT = 1.0
 # 1: FGD's measure sum_g free_g * (1 - q_g); n > 1: `fragmentation.lookahead_fragmentation_batch`
 # (whalezen-online uses 10; here 10 measured 379.4 against 373.5 with 1, so the engine keeps 1).
 LOOKAHEAD_POWER = 1.0
 
 
-def node_cost_batch(gpu_free, cpu_free, models: list[str], workload: fgd.Workload | None):
-    """Fragmentation measure in GPUs for N node states: (N, G) free milli, (N,) free CPU, GPU model."""
+def node_cost_batch(gpu_free, cpu_free, models: list[str], workload: fgd.Workload | None, mem_free=None):
+    """Fragmentation measure in GPUs for N node states: (N, G) free milli, (N,) free CPU, GPU model;
+    less HOME_WEIGHT x the scarce capacity they offer (`fragmentation.home_value_batch`) when the
+    workload carries scarce homes and free memory (N,) is given."""
     import numpy as np
 
     gpu_free = np.asarray(gpu_free, dtype=np.int64)
@@ -107,6 +123,10 @@ def node_cost_batch(gpu_free, cpu_free, models: list[str], workload: fgd.Workloa
         cost = fgd.fragmentation_batch(gpu_free, cpu_free, workload, None, access)
     else:
         cost = fgd.lookahead_fragmentation_batch(gpu_free, cpu_free, workload, None, access, LOOKAHEAD_POWER)
+    homes = getattr(workload, "homes", None)
+    if homes is not None and mem_free is not None:
+        cost = cost - HOME_WEIGHT * fgd.home_value_batch(gpu_free, cpu_free, mem_free, homes,
+                                                         homes.model_access(models))
     return cost / WHOLE_GPU_MILLI
 
 
@@ -154,7 +174,7 @@ def node_fragmentation_gpus(free_milli: list[int], cap: NodeCapacity, workload: 
     if workload is None or not free_milli:
         return 0.0
     model = cap.node.gpus[0].model if cap.node.gpus else ""
-    return float(node_cost_batch([list(free_milli)], [cap.free_cpu], [model], workload)[0])
+    return float(node_cost_batch([list(free_milli)], [cap.free_cpu], [model], workload, [cap.free_mem])[0])
 
 
 def enumerate_patterns(cap: NodeCapacity, item_types: list[ItemType],

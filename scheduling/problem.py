@@ -150,7 +150,20 @@ class Problem:
         re-deriving it per scored node cost more than the scoring)."""
         from scheduling.patterns import to_workload
 
-        return to_workload(workload_classes(self.snapshot))
+        return to_workload(workload_classes(self.snapshot), self.homes)
+
+    @cached_property
+    def homes(self):  # -> fragmentation.ScarceHomes | None
+        """Task classes whose homes are scarce on this snapshot's nodes (`fragmentation.scarce_homes`),
+        from the snapshot's whole task mix (`task_mix`, else the workload's or the pending jobs'
+        classes); None when nothing is scarce."""
+        from scheduling import fragmentation as fgd
+
+        classes = self.snapshot.task_mix or workload_classes(self.snapshot)
+        nodes = [(len(n.gpus), n.cpu_milli, n.memory_mb, n.gpus[0].model) for n in self.snapshot.nodes if n.gpus]
+        homes = fgd.scarce_homes(((c.cpu_milli, c.memory_mb, c.gpu_milli, c.gpus, frozenset(c.gpu_models), c.weight)
+                                  for c in classes), nodes)
+        return homes if len(homes.weight) else None
 
     @cached_property
     def group_caps(self) -> list[tuple[int, tuple[str, ...]]]:
@@ -221,8 +234,9 @@ def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass
     the pattern term charges frag(G', C) - frag(G, C)). Its host cost is what its CPU adds to the
     fragmentation measure, frag(G', C - cpu) - frag(G', C). Its fit cost (greedy's order) is
     frag(G', C - cpu) - frag(G, C) plus STRANDING_ALPHA x the change of the node's stranded GPUs
-    alone on an untouched node. One vectorised measure call over the distinct (shape, whole GPUs
-    taken, CPU) states."""
+    alone on an untouched node. The measure includes the scarce-homes term
+    (`patterns.node_cost_batch`), which memory changes too. One vectorised measure call over the
+    distinct (shape, whole GPUs taken, CPU, memory) states."""
     import numpy as np
 
     from scheduling import fragmentation as fgd
@@ -231,7 +245,7 @@ def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass
     if workload is None:
         return
     cpu_ratio, mem_ratio = stranding_ratios(workload)
-    rows: dict[tuple[int, int, int], int] = {}
+    rows: dict[tuple[int, int, int, int], int] = {}
     pairs: list[tuple[Candidate, tuple, tuple, tuple]] = []
     for demand_class in classes:
         for candidate in demand_class.candidates:
@@ -240,18 +254,19 @@ def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass
                 continue
             part = candidate.part
             taken = part.gpus if part.gpus and not part.fractional else 0
-            keys = ((candidate.target, 0, 0), (candidate.target, taken, 0),
-                    (candidate.target, taken, part.cpu_milli))
+            keys = ((candidate.target, 0, 0, 0), (candidate.target, taken, 0, 0),
+                    (candidate.target, taken, part.cpu_milli, part.memory_mb))
             for key in keys:
                 rows.setdefault(key, len(rows))
             pairs.append((candidate,) + keys)  # type: ignore[arg-type]
     if not pairs:
         return
-    width = max(1, max(len(targets[t].rep.free_milli) for t, _, _ in rows))
+    width = max(1, max(len(targets[t].rep.free_milli) for t, _, _, _ in rows))
     gpu_free = np.zeros((len(rows), width), dtype=np.int64)
     cpu = np.zeros(len(rows), dtype=np.int64)
+    mem = np.zeros(len(rows), dtype=np.int64)
     models = [""] * len(rows)
-    for (t, taken, part_cpu), row in rows.items():
+    for (t, taken, part_cpu, part_mem), row in rows.items():
         cap = targets[t].rep
         vector = list(cap.free_milli)
         whole = [p for p, m in enumerate(vector) if m >= WHOLE_GPU_MILLI and cap.node.gpus[p].healthy]
@@ -259,8 +274,9 @@ def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass
             vector[p] = 0
         gpu_free[row, : len(vector)] = vector
         cpu[row] = max(0, cap.free_cpu - part_cpu)
+        mem[row] = max(0, cap.free_mem - part_mem)
         models[row] = cap.node.gpus[0].model if cap.node.gpus else ""
-    frag = node_cost_batch(gpu_free, cpu, models, workload)
+    frag = node_cost_batch(gpu_free, cpu, models, workload, mem)
     # Stranding before and after each part (GPU totals, CPU, memory), in GPUs.
     strand = np.zeros(len(pairs))
     if STRANDING_ALPHA and (cpu_ratio > 0 or mem_ratio > 0):

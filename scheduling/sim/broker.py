@@ -168,7 +168,7 @@ def run_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workload: Wo
                policy: Policy | None = None, order: str = "arrival") -> ProtocolRun:
     """Replay ``arrivals`` through the broker; same result type as :func:`run_online`."""
     cluster.reset()
-    pol = policy or WhaleZenOnline(workload)
+    pol = policy or WhaleZenOnline(workload, powers=(10.0,))  # measured with the long horizon alone
     pol.start(cluster, rng)
     broker = Broker(cluster, pol, max_moves=max_moves, order=order)
     batch: list[tuple[int, TaskSpec]] = []

@@ -11,6 +11,7 @@ about 100 s per seed).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Sequence
 
 import numpy as np
@@ -27,7 +28,7 @@ GPU_MEMORY_MB = 16_384
 
 def _snapshot(cluster: ArrayCluster, batch: Sequence[tuple[int, TaskSpec]],
               placed: dict[int, tuple[TaskSpec, int, list[int]]], workload: tuple[WorkloadClass, ...],
-              seed: int) -> Snapshot:
+              seed: int, task_mix: tuple[WorkloadClass, ...] = ()) -> Snapshot:
     nodes = []
     for i, spec in enumerate(cluster.nodes):
         gpus = tuple(GpuState(g, f"{spec.name}-{g}", spec.model, GPU_MEMORY_MB, GPU_MEMORY_MB,
@@ -42,12 +43,25 @@ def _snapshot(cluster: ArrayCluster, batch: Sequence[tuple[int, TaskSpec]],
                               allowed_models=tuple(sorted(t.gpu_models)) if t.gpu_models else (),
                               cpu_milli=t.cpu_milli, memory_mb=t.memory_mib, submitted_at=float(idx))
                     for idx, t in batch)
-    return Snapshot(now=0.0, nodes=tuple(nodes), pending=pending, running=running, workload=workload, seed=seed)
+    return Snapshot(now=0.0, nodes=tuple(nodes), pending=pending, running=running, workload=workload, seed=seed,
+                    task_mix=task_mix)
+
+
+def task_mix_of(tasks: Sequence[TaskSpec]) -> tuple[WorkloadClass, ...]:
+    """The whole list as classes with their counts, memory and rare classes included (the
+    engine's scarce-homes term; the typical-task workload drops both)."""
+    counts = Counter((t.num_gpu, t.gpu_milli, t.cpu_milli, t.memory_mib, tuple(sorted(t.gpu_models or ())))
+                     for t in tasks if t.num_gpu > 0)
+    return tuple(WorkloadClass(gpus, milli, float(n), cpu, mem, models)
+                 for (gpus, milli, cpu, mem, models), n in sorted(counts.items()))
 
 
 def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workload: Workload,
                       every: int = 64, seed: int = 0, policy: Policy | None = None,
-                      schedule: Callable[[Snapshot, Policy | None], Plan] | None = None) -> ProtocolRun:
+                      schedule: Callable[[Snapshot, Policy | None], Plan] | None = None,
+                      tasks: Sequence[TaskSpec] | None = None) -> ProtocolRun:
+    """``tasks``: the whole task list, for the engine's scarce-homes term (without it the engine
+    derives it from the typical-task workload, which has no rare class)."""
     if schedule is None:
         from scheduling.engine import schedule as engine_schedule
         schedule = engine_schedule
@@ -55,6 +69,7 @@ def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workl
     index = {n: i for i, n in enumerate(cluster.names)}
     wl = tuple(WorkloadClass(c.num_gpu, c.gpu_milli or MILLI, c.weight, c.cpu_milli, c.memory_mib,
                              tuple(sorted(c.gpu_models)) if c.gpu_models else ()) for c in workload.classes)
+    mix = task_mix_of(tasks) if tasks is not None else ()
     placed: dict[int, tuple[TaskSpec, int, list[int]]] = {}
     migrations = 0
     batch: list[tuple[int, TaskSpec]] = []
@@ -62,7 +77,7 @@ def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workl
         batch.append((i, t))
         if len(batch) < every and i < len(arrivals) - 1:
             continue
-        plan = schedule(_snapshot(cluster, batch, placed, wl, seed), policy)
+        plan = schedule(_snapshot(cluster, batch, placed, wl, seed, mix), policy)
         for m in plan.migrations:  # defragmentation: source first, then target
             idx = int(m.job_id[1:])
             task, node, gpus = placed.pop(idx)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from scheduling.fragmentation import Workload
+from scheduling.sim.cluster import TaskSpec
 from scheduling.sim.policies import BASELINES, FGDPolicy, Policy
 from scheduling.sim.whalezen import WhaleZenOnline
 
@@ -13,13 +16,21 @@ ONLINE_POLICIES: tuple[str, ...] = (
 )
 
 
-def make_policy(name: str, workload: Workload, *, lookahead_power: float | None = None) -> Policy:
+def make_policy(name: str, workload: Workload, *, lookahead_powers: Sequence[float] | None = None,
+                tasks: Sequence[TaskSpec] | None = None, home_weight: float | None = None) -> Policy:
     """A fresh online policy; ``workload`` is the task mix that FGD-style measures use.
-    ``lookahead_power``: whalezen-online's look-ahead power instead of its default (for sweeps)."""
+    whalezen-online only: ``lookahead_powers`` replaces its look-ahead horizons, and
+    ``home_weight`` its scarce-homes weight (for sweeps); ``tasks`` is the whole task list, from
+    which it derives the scarce homes (without it that term is off)."""
     if name == "fgd":
         return FGDPolicy(workload)
     if name == "whalezen-online":
-        return WhaleZenOnline(workload) if lookahead_power is None else WhaleZenOnline(workload, power=lookahead_power)
+        options: dict[str, object] = {"tasks": tasks}
+        if lookahead_powers is not None:
+            options["powers"] = tuple(lookahead_powers)
+        if home_weight is not None:
+            options["home_weight"] = home_weight
+        return WhaleZenOnline(workload, **options)  # type: ignore[arg-type]
     try:
         return BASELINES[name]()
     except KeyError:
