@@ -96,3 +96,39 @@ def test_memory_ec2_does_not_report_keeps_the_catalog_memory_exactly() -> None:
     facts = {"GpuInfo": {"Gpus": [{"Name": "A10G", "Count": 8, "MemoryInfo": {"SizeInMiB": 24576}}]},
              "VCpuInfo": {"DefaultVCpus": 192}}
     assert AwsProvider._with_facts(offer, facts) == offer
+
+
+# -- launch idempotency: the lookup before every launch ----------------------------------------------
+def test_a_retried_launch_looks_for_instances_carrying_both_our_broker_and_the_request_key() -> None:
+    """Before launching, the provider asks EC2 for instances tagged with this broker AND this request
+    key, nothing wider (another broker's or another request's instance must never be adopted) and
+    nothing narrower; what EC2 answers comes back as records of that region."""
+    client, stub = stubbed_ec2()
+    key = "wz-aws-retried-key"
+    found = {"InstanceId": "i-0live", "InstanceType": "g5.xlarge", "State": {"Name": "running"},
+             "Placement": {"AvailabilityZone": "us-east-1b"},
+             "Tags": [{"Key": TAG_BROKER, "Value": "wz-b"}, {"Key": TAG_REQUEST, "Value": key}]}
+    stub.add_response("describe_instances", {"Reservations": [{"Instances": [found]}]},
+                      {"Filters": [{"Name": f"tag:{TAG_BROKER}", "Values": ["wz-b"]},
+                                   {"Name": f"tag:{TAG_REQUEST}", "Values": [key]}]})
+    aws = AwsProvider(broker_id="wz-b", regions=[REGION], client_factory={REGION: client}.__getitem__)
+    records = aws.find_by_request_key(REGION, key)
+    assert [(r.ref.region, r.ref.zone, r.ref.instance_id, r.request_key) for r in records] == [
+        (REGION, "us-east-1b", "i-0live", key)]
+    stub.assert_no_pending_responses()
+
+
+def test_a_retried_launch_whose_key_ec2_already_knows_launches_nothing_new() -> None:
+    """provision with a key EC2 already has an instance for returns that instance and never calls
+    run_instances (the Stubber would refuse an unexpected call)."""
+    client, stub = stubbed_ec2()
+    request = make_request(provider="aws", instance_type="g5.xlarge", zone="", region=REGION)
+    found = {"InstanceId": "i-0first", "InstanceType": "g5.xlarge", "State": {"Name": "pending"},
+             "Tags": [{"Key": TAG_BROKER, "Value": "wz-b"}, {"Key": TAG_REQUEST, "Value": request.request_key}]}
+    stub.add_response("describe_instances", {"Reservations": [{"Instances": [found]}]},
+                      {"Filters": [{"Name": f"tag:{TAG_BROKER}", "Values": ["wz-b"]},
+                                   {"Name": f"tag:{TAG_REQUEST}", "Values": [request.request_key]}]})
+    aws = AwsProvider(broker_id="wz-b", regions=[REGION], client_factory={REGION: client}.__getitem__,
+                      image_ids={REGION: AMI})
+    assert aws.provision(request).ref.instance_id == "i-0first"
+    stub.assert_no_pending_responses()
