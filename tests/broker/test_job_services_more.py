@@ -368,3 +368,16 @@ def test_an_event_keeps_its_kind_words_reason_and_data(acme):
     bare = event_append(job=job, kind="note")
     bare.refresh_from_db()
     assert (bare.message, bare.reason_code, bare.data) == ("", "", {})
+
+
+# -- transitions -------------------------------------------------------------------------------------
+def test_a_job_sent_back_to_the_queue_with_details_shows_them_in_its_pending_reason(acme):
+    """A move waiting for room elsewhere (broker.jobs.migration) sends the job back with the migration's
+    id: the user reads it in the job's pending reason, next to the words."""
+    job = _running(acme, "moving", acme.nodes[0])
+    job_transition(job=job, to=JobState.PENDING, reason_code="MIGRATING",
+                   message="Being moved: waiting for room elsewhere.", data={"migration": 7})
+    body = acme.client.get(f"{JOBS}{job.pk}/").json()
+    assert body["state"] == JobState.PENDING
+    assert body["pending_reason"] == {"code": "MIGRATING", "message": "Being moved: waiting for room elsewhere.",
+                                      "data": {"migration": 7}}
