@@ -381,3 +381,15 @@ def test_a_job_sent_back_to_the_queue_with_details_shows_them_in_its_pending_rea
     assert body["state"] == JobState.PENDING
     assert body["pending_reason"] == {"code": "MIGRATING", "message": "Being moved: waiting for room elsewhere.",
                                       "data": {"migration": 7}}
+
+
+def test_a_terminated_instances_jobs_are_requeued_without_waiting_for_a_stop_confirmation(acme):
+    """A cloud instance that is gone (INSTANCE_TERMINATED) ran nothing any more: its jobs go back to the
+    queue with their old allocations settled, so their next start does not wait for a stop report from
+    a machine that no longer exists (broker.agents.fencing)."""
+    node = acme.nodes[0]
+    job = _running(acme, "spot", node)
+    assert jobs_requeue_on_node(node_id=node.pk, reason_code="INSTANCE_TERMINATED",
+                                message="The instance was terminated.") == [job.pk]
+    alloc = Allocation.objects.get(job=job)
+    assert (alloc.active, alloc.stop_unconfirmed) == (False, False)
