@@ -7,16 +7,23 @@ the job's state, its pending reason and its events.
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from broker.agents.models import NodeAgent
+from broker.agents.services import nodes_mark_lost
 from broker.inventory.models import Node, NodeState
 from broker.inventory.services import pool_join_token_issue
 
-from broker.jobs.models import JobEvent
+from broker.jobs.models import Job, JobEvent
+from broker.jobs.services import GpuRequest, allocation_commit
+from broker.scheduler import outage
 
 from .test_agent_api import API, agent_client, cloud_instance, join_token, register_body, registered  # noqa: F401
+from .test_api_tenancy import submit
 from .test_checkpoints import report_checkpoint, root, running_job, verify_queue, write  # noqa: F401 (fixtures)
 
 
@@ -54,3 +61,70 @@ def test_a_checkpoint_answering_a_request_is_listed_with_that_requests_id(acme, 
     assert [(c["step"], c["request_id"]) for c in listed] == [(12, request_id)]
     written = JobEvent.objects.get(job=job, reason_code="CHECKPOINT_WRITTEN")
     assert written.data["request_id"] == request_id
+
+
+# -- the timings agents are told and the sweep keeps -----------------------------------------------
+def _sweep_one_silent_node(acme, silent_for: int, which: int = 0) -> Job:
+    """One job on node `which`, last heard `silent_for` seconds ago; the sweep runs now. The job, after it."""
+    node = acme.nodes[which]
+    job = submit(acme, name=f"on-silent-{which}")
+    allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    now = timezone.now()
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now - timedelta(seconds=silent_for))
+    nodes_mark_lost(now=now)
+    job.refresh_from_db()
+    return job
+
+
+@pytest.fixture
+def broker_up(monkeypatch) -> None:
+    """The agents' way in answers: a silent node is the node's silence, not the broker's outage."""
+    monkeypatch.setattr(outage, "agents_way_in_answers", lambda: True)
+
+
+def test_agents_beat_every_5_s_and_a_node_is_lost_after_30_s_of_silence(acme, join_token, broker_up):
+    """The shipped settings (broker/settings.py)."""
+    resp = APIClient().post(f"{API}/register", register_body(join_token), format="json")
+    assert resp.json()["heartbeat_seconds"] == 5
+    assert _sweep_one_silent_node(acme, 29).state == "PLACED", "29 s of silence is within six beats"
+    job = _sweep_one_silent_node(acme, 31, which=1)
+    assert job.pending_reason_code == "NODE_LOST"
+    assert job.pending_reason.startswith(f"Node {acme.nodes[1].name} sent no heartbeat for 31 s (limit 30 s);")
+
+
+def test_the_settings_set_what_agents_are_told_and_how_long_a_silence_is_lost(acme, join_token, settings,
+                                                                              broker_up):
+    settings.WHALEZEN_AGENT_HEARTBEAT_SECONDS = 2
+    settings.WHALEZEN_NODE_LOST_AFTER_SECONDS = 100
+    resp = APIClient().post(f"{API}/register", register_body(join_token), format="json")
+    assert resp.json()["heartbeat_seconds"] == 2
+    token = resp.json()["node_token"]
+    assert agent_client(token).post(f"{API}/heartbeat", {}, format="json").json()["heartbeat_seconds"] == 2
+    assert _sweep_one_silent_node(acme, 99).state == "PLACED"
+    assert "(limit 100 s)" in _sweep_one_silent_node(acme, 101, which=1).pending_reason
+
+
+def test_a_settings_module_without_the_timings_falls_back_to_5_s_beats_and_six_of_them(acme, join_token, settings,
+                                                                                       broker_up):
+    """A deployment's own settings module may leave them out: the broker's defaults, and a LOST
+    limit that follows the heartbeat it sets."""
+    del settings.WHALEZEN_AGENT_HEARTBEAT_SECONDS
+    del settings.WHALEZEN_NODE_LOST_AFTER_SECONDS
+    resp = APIClient().post(f"{API}/register", register_body(join_token), format="json")
+    assert resp.json()["heartbeat_seconds"] == 5
+    settings.WHALEZEN_AGENT_HEARTBEAT_SECONDS = 2
+    assert _sweep_one_silent_node(acme, 11).state == "PLACED"
+    assert "(limit 12 s)" in _sweep_one_silent_node(acme, 13, which=1).pending_reason
+
+
+# -- the node's address --------------------------------------------------------------------------
+def test_a_registration_from_something_not_an_ip_address_leaves_the_nodes_address_empty(acme, join_token):
+    """A proxy in front may put anything in REMOTE_ADDR: not an address peers could connect to."""
+    resp = APIClient(REMOTE_ADDR="proxy.internal").post(f"{API}/register", register_body(join_token),
+                                                        format="json")
+    assert resp.status_code == 201, resp.content
+    assert Node.objects.get(pk=resp.json()["node_id"]).address == ""
+    resp = APIClient(REMOTE_ADDR="10.1.2.3").post(f"{API}/register",
+                                                    register_body(join_token, name="n2", agent_key="key-n2-xxxxx"),
+                                                    format="json")
+    assert Node.objects.get(pk=resp.json()["node_id"]).address == "10.1.2.3"
