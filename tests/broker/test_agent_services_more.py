@@ -15,7 +15,7 @@ from rest_framework.test import APIClient
 
 from broker.agents.models import NodeAgent
 from broker.agents.services import nodes_mark_lost
-from broker.inventory.models import Node, NodeState
+from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.inventory.services import pool_join_token_issue
 
 from broker.jobs.models import Job, JobEvent
@@ -128,3 +128,56 @@ def test_a_registration_from_something_not_an_ip_address_leaves_the_nodes_addres
                                                     register_body(join_token, name="n2", agent_key="key-n2-xxxxx"),
                                                     format="json")
     assert Node.objects.get(pk=resp.json()["node_id"]).address == "10.1.2.3"
+
+
+# -- what registration stores of each GPU ----------------------------------------------------------
+def _gpu_rows(node_id: str) -> dict[int, tuple]:
+    """What the GPU records say, by index: as the admin's node page and the scheduler read them."""
+    return {g.index: (g.uuid, g.model.name if g.model else None, g.model_name, g.memory_mb, g.nvlink_island,
+                      g.numa_node, g.pci_bus_id, g.mig_mode, g.health)
+            for g in Gpu.objects.filter(node_id=node_id).select_related("model")}
+
+
+def test_registration_stores_each_gpu_as_reported_and_what_it_could_not_tell_as_unknown(acme, join_token):
+    body = register_body(join_token, name="gpu-rec")
+    known = dict(body["gpus"][0])
+    body["gpus"][0]["numa_node"] = 0  # NUMA node 0 is a node, not "none"
+    body["gpus"][1].update(numa_node=-1, mig_mode="enabled", model="Mystery Accelerator 9000")  # sysfs: "none"
+    body["gpus"][2].update(numa_node=None, uuid=None, model=None, memory_mb=None, pci_bus_id=None,
+                           nvlink_island=None, mig_mode="unsupported")
+    body["gpus"][3].update(numa_node=1, nvlink_island=1)
+    before = timezone.now()
+    resp = APIClient().post(f"{API}/register", body, format="json")
+    assert resp.status_code == 201, resp.content
+    rows = _gpu_rows(resp.json()["node_id"])
+    sent = body["gpus"]
+    assert rows == {
+        0: (known["uuid"], "A100-80GB", known["model"], known["memory_mb"], 0, 0, known["pci_bus_id"], False,
+            GpuHealth.HEALTHY),
+        # A model the catalogue does not know: kept by name, never guessed (jobs asking for a model skip it).
+        1: (sent[1]["uuid"], None, "Mystery Accelerator 9000", known["memory_mb"], sent[1]["nvlink_island"], None,
+            sent[1]["pci_bus_id"], True, GpuHealth.HEALTHY),
+        2: ("", None, "", 0, None, None, "", False, GpuHealth.HEALTHY),
+        3: (sent[3]["uuid"], "A100-80GB", known["model"], known["memory_mb"], 1, 1, sent[3]["pci_bus_id"], False,
+            GpuHealth.HEALTHY),
+    }
+    assert all(g.last_seen_at >= before for g in Gpu.objects.filter(node_id=resp.json()["node_id"]))
+
+
+def test_gpus_renumbered_between_registrations_keep_their_uuids_and_a_missing_one_is_failed(acme, join_token):
+    """The driver numbered the GPUs differently after a reboot (index 0 now has index 1's UUID) and
+    one fell off the bus: the records follow the UUIDs, the missing index is never scheduled on."""
+    body = register_body(join_token, name="gpu-renumbered")
+    first = APIClient().post(f"{API}/register", body, format="json")
+    node_id = first.json()["node_id"]
+    uuids = [g["uuid"] for g in body["gpus"]]
+    body["gpus"][0]["uuid"], body["gpus"][1]["uuid"] = uuids[1], uuids[0]
+    body["gpus"][0]["mig_mode"] = "enabled"
+    del body["gpus"][3]
+    again = APIClient().post(f"{API}/register", body, format="json")
+    assert again.status_code == 200, again.content
+    rows = _gpu_rows(node_id)
+    assert {i: (r[0], r[7], r[8]) for i, r in rows.items()} == {
+        0: (uuids[1], True, GpuHealth.HEALTHY), 1: (uuids[0], False, GpuHealth.HEALTHY),
+        2: (uuids[2], False, GpuHealth.HEALTHY), 3: ("", False, GpuHealth.FAILED)}
+    assert Gpu.objects.filter(node_id=node_id).count() == 4, "the missing GPU's record stays: allocations point at it"
