@@ -66,6 +66,17 @@ def test_a_checkpoint_answering_a_request_is_listed_with_that_requests_id(acme, 
     assert written.data["request_id"] == request_id
 
 
+
+def test_a_checkpoint_outside_the_jobs_checkpoint_uri_is_refused_in_words(acme, registered, root, tmp_path):
+    """The agent is told why, by field, and drops the report: nothing is recorded for the job."""
+    node, token = registered
+    job, allocation = running_job(acme, node, root)
+    saved = write(root, 5)
+    resp = report_checkpoint(token, allocation, saved, uri=str(tmp_path / "elsewhere" / "step-000000000005"))
+    said = "The checkpoint is not under this job's checkpoint.uri."
+    assert (resp.status_code, resp.json()) == (400, {"checkpoint.uri": [said], "detail": said})
+    assert not JobEvent.objects.filter(job=job, reason_code="CHECKPOINT_WRITTEN").exists()
+
 # -- the timings agents are told and the sweep keeps -----------------------------------------------
 def _sweep_one_silent_node(acme, silent_for: int, which: int = 0) -> Job:
     """One job on node `which`, last heard `silent_for` seconds ago; the sweep runs now. The job, after it."""
