@@ -48,6 +48,130 @@ def test_a_live_cloud_instances_agent_registering_again_through_the_pool_keeps_i
     assert NodeAgent.objects.get(node=node).agent_key == "key-instance-1"
 
 
+# -- a report moves the job ----------------------------------------------------------------------
+def _steps(job: Job) -> list[tuple[str, str, str]]:
+    """The job's state changes as its timeline shows them: (to, reason code, message)."""
+    return [(e.data["to"], e.reason_code, e.message)
+            for e in JobEvent.objects.filter(job=job, kind="state").order_by("id")]
+
+
+def _started(job: Job) -> Job:
+    return job_transition(job=job_transition(job=job, to=JobState.STARTING), to=JobState.RUNNING)
+
+
+def test_a_running_report_starts_a_placed_job_in_two_steps_each_told_once(acme, registered):
+    node, token = registered
+    job, allocation = place(acme, node)
+    assert report(token, allocation, "running", reason="started").status_code == 200
+    job.refresh_from_db()
+    assert job.state == JobState.RUNNING
+    assert _steps(job)[-2:] == [
+        (JobState.STARTING, "AGENT_STARTED", f"{node.name} started the job's process."),
+        (JobState.RUNNING, "AGENT_RUNNING", f"Running on {node.name}."),
+    ]
+    report(token, allocation, "running", reason="started")  # the outbox sends it again: nothing moves
+    assert len(_steps(job)) == 3
+
+
+@pytest.mark.parametrize("already_running", [True, False])
+def test_an_exit_with_code_0_succeeds_the_job_even_before_it_was_seen_running(acme, registered, already_running):
+    """A job so short that its "running" report was never sent still passes STARTING on its way."""
+    node, token = registered
+    job, allocation = place(acme, node)
+    if already_running:
+        job = _started(job)
+    report(token, allocation, "exited", reason="exit", exit_code=0)
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    expected = [(JobState.SUCCEEDED, "JOB_EXITED", f"Exited with code 0 on {node.name}.")]
+    if not already_running:
+        expected.insert(0, (JobState.STARTING, "JOB_EXITED", f"Exited with code 0 on {node.name}."))
+    assert _steps(job)[-len(expected):] == expected
+    assert [to for to, _, _ in _steps(job)].count(JobState.STARTING) == 1
+
+
+@pytest.mark.parametrize("report_state, reason, pending_code, pending_reason", [
+    ("failed", "agent_crashed", "AGENT_RESTARTED", "{node}: the agent crashed. Restarting the job."),
+    ("failed", "not_running", "AGENT_RESTARTED", "{node}: the agent crashed. Restarting the job."),
+    ("stopped", "signal", "AGENT_STOPPED_JOB", "{node}: the agent crashed."),
+    ("refused", "gpu_busy", "ASSIGNMENT_REFUSED", "{node} refused the job: the agent crashed."),
+])
+def test_a_report_the_job_is_not_to_blame_for_sends_it_back_to_the_queue_saying_why(
+        acme, registered, report_state, reason, pending_code, pending_reason):
+    node, token = registered
+    job, allocation = place(acme, node)
+    job = _started(job)
+    report(token, allocation, report_state, reason=reason, message="the agent crashed")
+    job.refresh_from_db()
+    assert (job.state, job.pending_reason_code) == (JobState.PENDING, pending_code)
+    assert job.pending_reason == pending_reason.format(node=node.name)
+
+
+@pytest.mark.parametrize("report_state, reason, code, message", [
+    ("failed", "exit_code", "JOB_FAILED", "{node}: exited with code 3."),
+    ("refused", "invalid", "ASSIGNMENT_INVALID", "{node} cannot run this job: exited with code 3."),
+])
+def test_a_report_the_job_is_to_blame_for_fails_it_saying_why(acme, registered, report_state, reason, code, message):
+    node, token = registered
+    job, allocation = place(acme, node)
+    report(token, allocation, report_state, reason=reason, message="exited with code 3")
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED
+    (to, reason_code, said), = [step for step in _steps(job) if step[0] == JobState.FAILED]
+    assert (reason_code, said) == (code, message.format(node=node.name))
+    event = JobEvent.objects.get(job=job, kind="state", reason_code=code)
+    assert event.data == {"from": JobState.PLACED, "to": JobState.FAILED}, "a single node's job has no rank to name"
+
+
+# -- a gang's parts ------------------------------------------------------------------------------
+def _ranked(parts: dict) -> list[str]:
+    return sorted(parts, key=lambda name: parts[name].pk)
+
+
+def test_a_gang_waits_for_every_part_naming_the_ones_not_started(acme, gang_nodes):
+    job, parts = place_gang(acme, gang_nodes)
+    first, second = _ranked(parts)
+    report(gang_nodes[first][1], parts[first], "running", reason="started")
+    job.refresh_from_db()
+    assert job.state == JobState.STARTING
+    assert _steps(job)[-1] == (JobState.STARTING, "GANG_STARTING",
+                               f"rank 0 of 2 on {first} is running; waiting for rank 1 ({second}) to start.")
+    report(gang_nodes[second][1], parts[second], "running", reason="started")
+    job.refresh_from_db()
+    assert job.state == JobState.RUNNING
+    assert _steps(job)[-1] == (JobState.RUNNING, "AGENT_RUNNING", "Running on all 2 nodes.")
+
+
+def test_a_gang_part_whose_agent_crashed_restarts_the_gang(acme, gang_nodes):
+    job, parts = place_gang(acme, gang_nodes)
+    first, second = _ranked(parts)
+    report(gang_nodes[second][1], parts[second], "failed", reason="agent_crashed", message="the agent restarted")
+    job.refresh_from_db()
+    assert (job.state, job.pending_reason_code) == (JobState.PENDING, "AGENT_RESTARTED")
+    assert job.pending_reason == f"rank 1 of 2 on {second}: the agent restarted. Restarting the job."
+
+
+def test_a_gang_part_failing_names_its_rank_and_reason_in_the_jobs_failure(acme, gang_nodes):
+    job, parts = place_gang(acme, gang_nodes)
+    first, second = _ranked(parts)
+    report(gang_nodes[second][1], parts[second], "failed", reason="exit_code", message="exited with code 3")
+    event = JobEvent.objects.get(job=job, kind="state", reason_code="JOB_FAILED")
+    assert event.message == f"rank 1 of 2 on {second} failed: exited with code 3. The other ranks are stopped."
+    assert event.data == {"from": JobState.PLACED, "to": JobState.FAILED, "node": second, "reason": "exit_code",
+                          "rank": 1, "num_nodes": 2}
+
+
+def test_a_gang_part_refusing_an_unusable_assignment_fails_the_gang_naming_its_rank(acme, gang_nodes):
+    job, parts = place_gang(acme, gang_nodes)
+    first, _ = _ranked(parts)
+    report(gang_nodes[first][1], parts[first], "refused", reason="invalid", message="no command")
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED
+    event = JobEvent.objects.get(job=job, kind="state", reason_code="ASSIGNMENT_INVALID")
+    assert event.message == f"rank 0 of 2 on {first} cannot run this job: no command."
+    assert event.data == {"from": JobState.PLACED, "to": JobState.FAILED, "rank": 0, "num_nodes": 2}
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 def test_a_checkpoint_answering_a_request_is_listed_with_that_requests_id(acme, registered, root, verify_queue):
     """The job's checkpoint list and its timeline say which request a checkpoint answered: the
@@ -195,127 +319,3 @@ def test_gpus_renumbered_between_registrations_keep_their_uuids_and_a_missing_on
         0: (uuids[1], True, GpuHealth.HEALTHY), 1: (uuids[0], False, GpuHealth.HEALTHY),
         2: (uuids[2], False, GpuHealth.HEALTHY), 3: ("", False, GpuHealth.FAILED)}
     assert Gpu.objects.filter(node_id=node_id).count() == 4, "the missing GPU's record stays: allocations point at it"
-
-
-# -- a report moves the job ----------------------------------------------------------------------
-def _steps(job: Job) -> list[tuple[str, str, str]]:
-    """The job's state changes as its timeline shows them: (to, reason code, message)."""
-    return [(e.data["to"], e.reason_code, e.message)
-            for e in JobEvent.objects.filter(job=job, kind="state").order_by("id")]
-
-
-def _started(job: Job) -> Job:
-    return job_transition(job=job_transition(job=job, to=JobState.STARTING), to=JobState.RUNNING)
-
-
-def test_a_running_report_starts_a_placed_job_in_two_steps_each_told_once(acme, registered):
-    node, token = registered
-    job, allocation = place(acme, node)
-    assert report(token, allocation, "running", reason="started").status_code == 200
-    job.refresh_from_db()
-    assert job.state == JobState.RUNNING
-    assert _steps(job)[-2:] == [
-        (JobState.STARTING, "AGENT_STARTED", f"{node.name} started the job's process."),
-        (JobState.RUNNING, "AGENT_RUNNING", f"Running on {node.name}."),
-    ]
-    report(token, allocation, "running", reason="started")  # the outbox sends it again: nothing moves
-    assert len(_steps(job)) == 3
-
-
-@pytest.mark.parametrize("already_running", [True, False])
-def test_an_exit_with_code_0_succeeds_the_job_even_before_it_was_seen_running(acme, registered, already_running):
-    """A job so short that its "running" report was never sent still passes STARTING on its way."""
-    node, token = registered
-    job, allocation = place(acme, node)
-    if already_running:
-        job = _started(job)
-    report(token, allocation, "exited", reason="exit", exit_code=0)
-    job.refresh_from_db()
-    assert job.state == JobState.SUCCEEDED
-    expected = [(JobState.SUCCEEDED, "JOB_EXITED", f"Exited with code 0 on {node.name}.")]
-    if not already_running:
-        expected.insert(0, (JobState.STARTING, "JOB_EXITED", f"Exited with code 0 on {node.name}."))
-    assert _steps(job)[-len(expected):] == expected
-    assert [to for to, _, _ in _steps(job)].count(JobState.STARTING) == 1
-
-
-@pytest.mark.parametrize("report_state, reason, pending_code, pending_reason", [
-    ("failed", "agent_crashed", "AGENT_RESTARTED", "{node}: the agent crashed. Restarting the job."),
-    ("failed", "not_running", "AGENT_RESTARTED", "{node}: the agent crashed. Restarting the job."),
-    ("stopped", "signal", "AGENT_STOPPED_JOB", "{node}: the agent crashed."),
-    ("refused", "gpu_busy", "ASSIGNMENT_REFUSED", "{node} refused the job: the agent crashed."),
-])
-def test_a_report_the_job_is_not_to_blame_for_sends_it_back_to_the_queue_saying_why(
-        acme, registered, report_state, reason, pending_code, pending_reason):
-    node, token = registered
-    job, allocation = place(acme, node)
-    job = _started(job)
-    report(token, allocation, report_state, reason=reason, message="the agent crashed")
-    job.refresh_from_db()
-    assert (job.state, job.pending_reason_code) == (JobState.PENDING, pending_code)
-    assert job.pending_reason == pending_reason.format(node=node.name)
-
-
-@pytest.mark.parametrize("report_state, reason, code, message", [
-    ("failed", "exit_code", "JOB_FAILED", "{node}: exited with code 3."),
-    ("refused", "invalid", "ASSIGNMENT_INVALID", "{node} cannot run this job: exited with code 3."),
-])
-def test_a_report_the_job_is_to_blame_for_fails_it_saying_why(acme, registered, report_state, reason, code, message):
-    node, token = registered
-    job, allocation = place(acme, node)
-    report(token, allocation, report_state, reason=reason, message="exited with code 3")
-    job.refresh_from_db()
-    assert job.state == JobState.FAILED
-    (to, reason_code, said), = [step for step in _steps(job) if step[0] == JobState.FAILED]
-    assert (reason_code, said) == (code, message.format(node=node.name))
-    event = JobEvent.objects.get(job=job, kind="state", reason_code=code)
-    assert event.data == {"from": JobState.PLACED, "to": JobState.FAILED}, "a single node's job has no rank to name"
-
-
-# -- a gang's parts ------------------------------------------------------------------------------
-def _ranked(parts: dict) -> list[str]:
-    return sorted(parts, key=lambda name: parts[name].pk)
-
-
-def test_a_gang_waits_for_every_part_naming_the_ones_not_started(acme, gang_nodes):
-    job, parts = place_gang(acme, gang_nodes)
-    first, second = _ranked(parts)
-    report(gang_nodes[first][1], parts[first], "running", reason="started")
-    job.refresh_from_db()
-    assert job.state == JobState.STARTING
-    assert _steps(job)[-1] == (JobState.STARTING, "GANG_STARTING",
-                               f"rank 0 of 2 on {first} is running; waiting for rank 1 ({second}) to start.")
-    report(gang_nodes[second][1], parts[second], "running", reason="started")
-    job.refresh_from_db()
-    assert job.state == JobState.RUNNING
-    assert _steps(job)[-1] == (JobState.RUNNING, "AGENT_RUNNING", "Running on all 2 nodes.")
-
-
-def test_a_gang_part_whose_agent_crashed_restarts_the_gang(acme, gang_nodes):
-    job, parts = place_gang(acme, gang_nodes)
-    first, second = _ranked(parts)
-    report(gang_nodes[second][1], parts[second], "failed", reason="agent_crashed", message="the agent restarted")
-    job.refresh_from_db()
-    assert (job.state, job.pending_reason_code) == (JobState.PENDING, "AGENT_RESTARTED")
-    assert job.pending_reason == f"rank 1 of 2 on {second}: the agent restarted. Restarting the job."
-
-
-def test_a_gang_part_failing_names_its_rank_and_reason_in_the_jobs_failure(acme, gang_nodes):
-    job, parts = place_gang(acme, gang_nodes)
-    first, second = _ranked(parts)
-    report(gang_nodes[second][1], parts[second], "failed", reason="exit_code", message="exited with code 3")
-    event = JobEvent.objects.get(job=job, kind="state", reason_code="JOB_FAILED")
-    assert event.message == f"rank 1 of 2 on {second} failed: exited with code 3. The other ranks are stopped."
-    assert event.data == {"from": JobState.PLACED, "to": JobState.FAILED, "node": second, "reason": "exit_code",
-                          "rank": 1, "num_nodes": 2}
-
-
-def test_a_gang_part_refusing_an_unusable_assignment_fails_the_gang_naming_its_rank(acme, gang_nodes):
-    job, parts = place_gang(acme, gang_nodes)
-    first, _ = _ranked(parts)
-    report(gang_nodes[first][1], parts[first], "refused", reason="invalid", message="no command")
-    job.refresh_from_db()
-    assert job.state == JobState.FAILED
-    event = JobEvent.objects.get(job=job, kind="state", reason_code="ASSIGNMENT_INVALID")
-    assert event.message == f"rank 0 of 2 on {first} cannot run this job: no command."
-    assert event.data == {"from": JobState.PLACED, "to": JobState.FAILED, "rank": 0, "num_nodes": 2}
