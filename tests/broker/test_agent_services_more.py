@@ -15,7 +15,7 @@ from rest_framework.test import APIClient
 
 from broker.agents.models import NodeAgent
 from broker.agents.services import nodes_mark_lost
-from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
+from broker.inventory.models import Gpu, GpuHealth, Node, NodeState, Pool, PoolKind
 from broker.inventory.services import pool_join_token_issue
 
 from broker.jobs.models import Job, JobEvent
@@ -319,3 +319,34 @@ def test_gpus_renumbered_between_registrations_keep_their_uuids_and_a_missing_on
         0: (uuids[1], True, GpuHealth.HEALTHY), 1: (uuids[0], False, GpuHealth.HEALTHY),
         2: (uuids[2], False, GpuHealth.HEALTHY), 3: ("", False, GpuHealth.FAILED)}
     assert Gpu.objects.filter(node_id=node_id).count() == 4, "the missing GPU's record stays: allocations point at it"
+
+
+# -- join tokens and GPUs another node holds -------------------------------------------------------
+def test_a_cloud_instances_token_is_refused_while_its_pool_is_disabled(acme, gpu_models):
+    instance, instance_token = cloud_instance(acme)
+    Pool.objects.filter(pk=instance.pool_id).update(enabled=False)
+    resp = APIClient().post(f"{API}/register", register_body(instance_token), format="json")
+    assert (resp.status_code, resp.json()) == (401, {"detail": "Invalid join token."})
+    assert not Node.objects.filter(name=instance.node_name).exists()
+
+
+@pytest.mark.parametrize("where", ["another node of this pool", "a node of the same name in another pool"])
+def test_a_gpu_uuid_another_node_holds_is_refused_naming_the_gpu(acme, join_token, where):
+    """Checked before anything is written, in words that name the GPU (not the node that has it)."""
+    holder = register_body(join_token, name="holder", agent_key="key-holder-xx")
+    assert APIClient().post(f"{API}/register", holder, format="json").status_code == 201
+    if where == "another node of this pool":
+        name, token = "newcomer", join_token
+    else:
+        other = Pool.objects.create(tenant=acme.tenant, name="onprem-2", kind=PoolKind.ONPREM, region="dc2")
+        name, token = "holder", pool_join_token_issue(pool=other)
+    body = register_body(token, name=name, agent_key="key-newcomer")
+    for i, gpu in enumerate(body["gpus"]):  # its own GPUs, as a machine of the same name would have
+        gpu["uuid"] = f"GPU-00000000-0000-0000-0000-00000000000{i}"
+    taken = holder["gpus"][2]["uuid"]
+    body["gpus"][1]["uuid"] = taken
+    resp = APIClient().post(f"{API}/register", body, format="json")
+    said = (f"GPU 1 ({taken}) is already registered to another node; remove that node before registering the "
+            "GPU here.")
+    assert (resp.status_code, resp.json()) == (409, {"gpus": [said], "detail": said})
+    assert Node.objects.filter(name=name).count() == (1 if name == "holder" else 0)
