@@ -25,7 +25,7 @@ from broker.scheduler import outage
 
 from .test_agent_api import (API, agent_client, cloud_instance, join_token, place, register_body,  # noqa: F401
                              registered, report)
-from .test_gang import gang_nodes, place_gang  # noqa: F401 (fixture)
+from .test_gang import gang_nodes, place_gang, register  # noqa: F401 (fixture)
 from .test_api_tenancy import submit
 from .test_checkpoints import report_checkpoint, root, running_job, verify_queue, write  # noqa: F401 (fixtures)
 
@@ -141,6 +141,19 @@ def test_a_gang_waits_for_every_part_naming_the_ones_not_started(acme, gang_node
     assert job.state == JobState.RUNNING
     assert _steps(job)[-1] == (JobState.RUNNING, "AGENT_RUNNING", "Running on all 2 nodes.")
 
+
+def test_a_gang_of_three_names_both_parts_it_still_waits_for(acme, join_token):
+    nodes = {}
+    for name in ("trio-a", "trio-b", "trio-c"):
+        resp = register(join_token, name)
+        nodes[name] = (Node.objects.get(pk=resp.json()["node_id"]), resp.json()["node_token"])
+    job = submit(acme, resources={"gpus": 2, "nodes": 3})
+    parts = {a.node.name: a for a in allocation_commit(
+        job=job, requests=[GpuRequest(node=node, gpu_indices=(0, 1)) for node, _ in nodes.values()])}
+    first, second, third = _ranked(parts)
+    report(nodes[first][1], parts[first], "running", reason="started")
+    assert _steps(job)[-1][2] == (f"rank 0 of 3 on {first} is running; waiting for rank 1 ({second}), "
+                                  f"rank 2 ({third}) to start.")
 
 def test_a_gang_part_whose_agent_crashed_restarts_the_gang(acme, gang_nodes):
     job, parts = place_gang(acme, gang_nodes)
