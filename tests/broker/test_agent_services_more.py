@@ -1,6 +1,6 @@
 """The rest of the agent services under mutation testing (issue 9): a live cloud instance's node,
-the timings an agent is told and the sweep reads, what registration stores of each GPU, status
-reports moving a job, checkpoints.
+status reports moving a job or a gang, checkpoints, the timings an agent is told and the sweep reads,
+the node's address, what registration stores of each GPU, join tokens and GPUs another node holds.
 
 Checked as an operator or an agent sees it: the answers of the agent API, the node and GPU records,
 the job's state, its pending reason and its events.
@@ -17,7 +17,6 @@ from broker.agents.models import NodeAgent
 from broker.agents.services import nodes_mark_lost
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState, Pool, PoolKind
 from broker.inventory.services import pool_join_token_issue
-
 from broker.jobs.models import Job, JobEvent
 from broker.jobs.services import GpuRequest, allocation_commit, job_transition
 from broker.jobs.states import JobState
