@@ -25,6 +25,7 @@ from broker.scheduler import outage
 from .test_agent_api import (API, agent_client, cloud_instance, join_token, place, register_body,  # noqa: F401
                              registered, report)
 from .test_gang import gang_nodes, place_gang, register  # noqa: F401 (fixture)
+from .test_migration import commit_checkpoint, only_assignment, second  # noqa: F401 (fixture)
 from .test_api_tenancy import submit
 from .test_checkpoints import report_checkpoint, root, running_job, verify_queue, write  # noqa: F401 (fixtures)
 
@@ -121,6 +122,22 @@ def test_a_report_the_job_is_to_blame_for_fails_it_saying_why(acme, registered, 
     event = JobEvent.objects.get(job=job, kind="state", reason_code=code)
     assert event.data == {"from": JobState.PLACED, "to": JobState.FAILED}, "a single node's job has no rank to name"
 
+
+def test_a_moved_jobs_source_process_dying_on_its_way_out_still_lets_the_move_go_on(acme, registered, second,
+                                                                                   root, verify_queue):
+    """The checkpoint is committed and the source is told to stop; its process fails instead of
+    stopping cleanly. Either way it is down: the job is placed on the target, not failed."""
+    (source, source_token), _ = registered, second
+    job, allocation = running_job(acme, source, root)
+    assert acme.client.post(f"/api/v1/jobs/{job.pk}/migrate/", {"node": "gpu-node-2"},
+                            format="json").status_code == 202
+    commit_checkpoint(source_token, allocation, root, job, 40, only_assignment(source_token)["checkpoint_request_id"])
+    job.refresh_from_db()
+    assert job.state == JobState.MIGRATING
+    report(source_token, allocation, "failed", reason="exit_code", message="killed by signal 9")
+    job.refresh_from_db()
+    assert job.state == JobState.PLACED
+    assert not JobEvent.objects.filter(job=job, reason_code="JOB_FAILED").exists()
 
 # -- a gang's parts ------------------------------------------------------------------------------
 def _ranked(parts: dict) -> list[str]:
