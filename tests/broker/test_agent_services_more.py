@@ -18,7 +18,7 @@ from broker.agents.services import nodes_mark_lost
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState, Pool, PoolKind
 from broker.inventory.services import pool_join_token_issue
 from broker.jobs.models import Job, JobEvent
-from broker.jobs.services import GpuRequest, allocation_commit, job_transition
+from broker.jobs.services import GpuRequest, allocation_commit, job_requeue, job_transition
 from broker.jobs.states import JobState
 from broker.scheduler import outage
 
@@ -89,6 +89,22 @@ def test_an_exit_with_code_0_succeeds_the_job_even_before_it_was_seen_running(ac
     assert _steps(job)[-len(expected):] == expected
     assert [to for to, _, _ in _steps(job)].count(JobState.STARTING) == 1
 
+
+def test_an_exit_succeeds_a_restarted_job_while_other_jobs_still_run(acme, registered):
+    """Only this job's live parts are waited for: not its run before the restart (requeued off
+    another node, never "exited"), not another job running beside it."""
+    node, token = registered
+    job = submit(acme, name="restarted")
+    allocation_commit(job=job, requests=[GpuRequest(node=acme.nodes[0], gpu_indices=(0,))])
+    assert job_requeue(job=Job.objects.get(pk=job.pk), reason_code="NODE_LOST", message="gone")
+    (allocation,) = allocation_commit(job=Job.objects.get(pk=job.pk),
+                                      requests=[GpuRequest(node=node, gpu_indices=(0,))])
+    neighbour, _ = place(acme, node, indices=(2,))
+    _started(neighbour)
+    report(token, allocation, "running", reason="started")
+    report(token, allocation, "exited", reason="exit", exit_code=0)
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
 
 @pytest.mark.parametrize("report_state, reason, pending_code, pending_reason", [
     ("failed", "agent_crashed", "AGENT_RESTARTED", "{node}: the agent crashed. Restarting the job."),
