@@ -187,6 +187,22 @@ def test_a_gang_of_three_names_both_parts_it_still_waits_for(acme, join_token):
     assert _steps(job)[-1][2] == (f"rank 0 of 3 on {first} is running; waiting for rank 1 ({second}), "
                                   f"rank 2 ({third}) to start.")
 
+def test_a_gangs_last_rank_starting_first_names_the_ranks_before_it(acme, join_token):
+    """The parts still awaited are found by their allocation, not by the report's own id (mutant
+    `_parts_not_started` 7 read the report ids and named the wrong ranks)."""
+    nodes = {}
+    for name in ("trio-a", "trio-b", "trio-c"):
+        resp = register(join_token, name)
+        nodes[name] = (Node.objects.get(pk=resp.json()["node_id"]), resp.json()["node_token"])
+    job = submit(acme, resources={"gpus": 2, "nodes": 3})
+    parts = {a.node.name: a for a in allocation_commit(
+        job=job, requests=[GpuRequest(node=node, gpu_indices=(0, 1)) for node, _ in nodes.values()])}
+    first, second, third = _ranked(parts)
+    report(nodes[third][1], parts[third], "running", reason="started")
+    assert _steps(job)[-1][2] == (f"rank 2 of 3 on {third} is running; waiting for rank 0 ({first}), "
+                                  f"rank 1 ({second}) to start.")
+
+
 def test_a_gang_part_whose_agent_crashed_restarts_the_gang(acme, gang_nodes):
     job, parts = place_gang(acme, gang_nodes)
     first, second = _ranked(parts)
