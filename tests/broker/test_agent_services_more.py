@@ -174,7 +174,9 @@ def test_a_gang_waits_for_every_part_naming_the_ones_not_started(acme, gang_node
     assert _steps(job)[-1] == (JobState.RUNNING, "AGENT_RUNNING", "Running on all 2 nodes.")
 
 
-def test_a_gang_of_three_names_both_parts_it_still_waits_for(acme, join_token):
+def _gang_of_three(acme, join_token):
+    """A 3-node gang placed on three freshly registered nodes: (job, {name: (node, token)},
+    {name: allocation}, the node names by rank)."""
     nodes = {}
     for name in ("trio-a", "trio-b", "trio-c"):
         resp = register(join_token, name)
@@ -182,22 +184,20 @@ def test_a_gang_of_three_names_both_parts_it_still_waits_for(acme, join_token):
     job = submit(acme, resources={"gpus": 2, "nodes": 3})
     parts = {a.node.name: a for a in allocation_commit(
         job=job, requests=[GpuRequest(node=node, gpu_indices=(0, 1)) for node, _ in nodes.values()])}
-    first, second, third = _ranked(parts)
+    return job, nodes, parts, _ranked(parts)
+
+
+def test_a_gang_of_three_names_both_parts_it_still_waits_for(acme, join_token):
+    job, nodes, parts, (first, second, third) = _gang_of_three(acme, join_token)
     report(nodes[first][1], parts[first], "running", reason="started")
     assert _steps(job)[-1][2] == (f"rank 0 of 3 on {first} is running; waiting for rank 1 ({second}), "
                                   f"rank 2 ({third}) to start.")
 
+
 def test_a_gangs_last_rank_starting_first_names_the_ranks_before_it(acme, join_token):
     """The parts still awaited are found by their allocation, not by the report's own id (mutant
     `_parts_not_started` 7 read the report ids and named the wrong ranks)."""
-    nodes = {}
-    for name in ("trio-a", "trio-b", "trio-c"):
-        resp = register(join_token, name)
-        nodes[name] = (Node.objects.get(pk=resp.json()["node_id"]), resp.json()["node_token"])
-    job = submit(acme, resources={"gpus": 2, "nodes": 3})
-    parts = {a.node.name: a for a in allocation_commit(
-        job=job, requests=[GpuRequest(node=node, gpu_indices=(0, 1)) for node, _ in nodes.values()])}
-    first, second, third = _ranked(parts)
+    job, nodes, parts, (first, second, third) = _gang_of_three(acme, join_token)
     report(nodes[third][1], parts[third], "running", reason="started")
     assert _steps(job)[-1][2] == (f"rank 2 of 3 on {third} is running; waiting for rank 0 ({first}), "
                                   f"rank 1 ({second}) to start.")
