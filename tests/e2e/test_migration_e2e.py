@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -317,9 +318,10 @@ def test_preemption_waits_for_the_minimum_run_time_and_a_job_without_checkpoints
     t4_onprem = {"resources": {"gpus": 4, "gpu_models": ["T4"]}, "placement": {"providers": ["onprem"]}}
     low = [call(jobs, token, {"name": f"low-{i}", "priority": "low", "preemptible": True,
                               "command": ["/bin/sleep", f"{SLEEP_MARK + i}"], **t4_onprem}) for i in range(2)]
-    wait_state(service, token, low[0]["id"], {"RUNNING"})
-    first_running = time.time()  # at most a poll after it started: no victim is eligible before this + the minimum
-    wait_state(service, token, low[1]["id"], {"RUNNING"})
+    running = [wait_state(service, token, j["id"], {"RUNNING"}) for j in low]
+    # The broker counts a victim's run time from the job's started_at, so the test does too: the time a
+    # poll saw RUNNING can lag that by seconds on a loaded machine, and the wait would end early.
+    first_running = min(datetime.fromisoformat(j["started_at"]).timestamp() for j in running)
     high = call(jobs, token, {"name": "urgent", "priority": "critical", "command": ["/bin/sleep", "3600"],
                               **t4_onprem})
     # Below their minimum run time the victims are left alone: the critical job waits.
