@@ -271,6 +271,23 @@ def lookahead_fragmentation_batch(
     return (g * np.clip(1.0 - q, 0.0, 1.0) ** power).sum(axis=1)
 
 
+# The horizons WhaleZen's measure averages (`horizons_fragmentation_batch`), fixed once for every
+# cluster and task list: n = 10 alone was best on the default list but on a list of shares made a
+# fresh GPU and a 0.35-GPU gap look equally fillable; n = 2 keeps a partly used GPU cheaper to fill
+# (bench/README.md section 1). whalezen-online and the engine (`patterns.node_cost_batch`) share it.
+LOOKAHEAD_POWERS: tuple[float, ...] = (2.0, 10.0)
+
+
+def horizons_fragmentation_batch(gpu_free: np.ndarray, cpu_free: np.ndarray, workload: Workload,
+                                 mem_free: np.ndarray | None = None, access: np.ndarray | None = None,
+                                 powers: Sequence[float] = LOOKAHEAD_POWERS) -> np.ndarray:
+    """The mean of :func:`lookahead_fragmentation_batch` over ``powers`` (power 1: FGD's own
+    :func:`fragmentation_batch`)."""
+    return sum(fragmentation_batch(gpu_free, cpu_free, workload, mem_free, access) if power == 1.0
+               else lookahead_fragmentation_batch(gpu_free, cpu_free, workload, mem_free, access, power)
+               for power in powers) / len(powers)
+
+
 def mix_ratios(workload: Workload) -> tuple[float, float]:
     """Expected CPU milli and memory MiB per milli-GPU over the GPU classes of the mix (0 when
     the mix has no GPU class): the rates at which the average GPU task uses host resources."""

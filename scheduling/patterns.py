@@ -104,9 +104,11 @@ STRANDING_ALPHA = 2.0
 # (`fragmentation.home_value_batch`, in GPUs), so one-GPU tasks stay off the only nodes that
 # take the largest gangs. 1 is whalezen-online's weight.
 HOME_WEIGHT = 1.0
-# 1: FGD's measure sum_g free_g * (1 - q_g); n > 1: `fragmentation.lookahead_fragmentation_batch`
-# (whalezen-online uses 10; here 10 measured 379.4 against 373.5 with 1, so the engine keeps 1).
-LOOKAHEAD_POWER = 1.0
+# The fragmentation measure's look-ahead horizons: whalezen-online's (`fragmentation.LOOKAHEAD_POWERS`,
+# the mean over n = 2 and n = 10 later tasks of the chance that none can use a free share). With
+# FGD's one-step measure (n = 1) the engine ended 96 GPUs behind whalezen-online on the multi-GPU
+# list at 130% (703.5 against 607.5, seed 42), with these 635.5 (bench/README.md section 1).
+LOOKAHEAD_POWERS = fgd.LOOKAHEAD_POWERS
 
 
 def node_cost_batch(gpu_free, cpu_free, models: list[str], workload: fgd.Workload | None, mem_free=None):
@@ -119,10 +121,7 @@ def node_cost_batch(gpu_free, cpu_free, models: list[str], workload: fgd.Workloa
     if workload is None or gpu_free.size == 0:
         return np.zeros(len(gpu_free))
     access = workload.model_access(models)
-    if LOOKAHEAD_POWER == 1.0:
-        cost = fgd.fragmentation_batch(gpu_free, cpu_free, workload, None, access)
-    else:
-        cost = fgd.lookahead_fragmentation_batch(gpu_free, cpu_free, workload, None, access, LOOKAHEAD_POWER)
+    cost = fgd.horizons_fragmentation_batch(gpu_free, cpu_free, workload, None, access, LOOKAHEAD_POWERS)
     homes = getattr(workload, "homes", None)
     if homes is not None and mem_free is not None:
         cost = cost - HOME_WEIGHT * fgd.home_value_batch(gpu_free, cpu_free, mem_free, homes,

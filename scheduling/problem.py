@@ -245,8 +245,8 @@ def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass
     if workload is None:
         return
     cpu_ratio, mem_ratio = stranding_ratios(workload)
-    rows: dict[tuple[int, int, int, int], int] = {}
-    pairs: list[tuple[Candidate, tuple, tuple, tuple]] = []
+    rows: dict[tuple[int, int, int, int, int, int], int] = {}
+    pairs: list[tuple[Candidate, tuple, tuple, tuple, tuple]] = []
     for demand_class in classes:
         for candidate in demand_class.candidates:
             target = targets[candidate.target]
@@ -254,24 +254,31 @@ def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass
                 continue
             part = candidate.part
             taken = part.gpus if part.gpus and not part.fractional else 0
-            keys = ((candidate.target, 0, 0, 0), (candidate.target, taken, 0, 0),
-                    (candidate.target, taken, part.cpu_milli, part.memory_mb))
+            # A share's fit cost also sees the GPU it would take (best fit, as the packer does);
+            # its host cost does not: the objective charges the GPUs a cycle opens for shares.
+            shared = target.rep.choose(part) if part.fractional else None
+            share = (shared[0], part.milli) if shared else (-1, 0)
+            keys = ((candidate.target, 0, 0, 0, -1, 0), (candidate.target, taken, 0, 0, -1, 0),
+                    (candidate.target, taken, part.cpu_milli, part.memory_mb, -1, 0),
+                    (candidate.target, taken, part.cpu_milli, part.memory_mb) + share)
             for key in keys:
                 rows.setdefault(key, len(rows))
             pairs.append((candidate,) + keys)  # type: ignore[arg-type]
     if not pairs:
         return
-    width = max(1, max(len(targets[t].rep.free_milli) for t, _, _, _ in rows))
+    width = max(1, max(len(targets[key[0]].rep.free_milli) for key in rows))
     gpu_free = np.zeros((len(rows), width), dtype=np.int64)
     cpu = np.zeros(len(rows), dtype=np.int64)
     mem = np.zeros(len(rows), dtype=np.int64)
     models = [""] * len(rows)
-    for (t, taken, part_cpu, part_mem), row in rows.items():
+    for (t, taken, part_cpu, part_mem, share_position, share_milli), row in rows.items():
         cap = targets[t].rep
         vector = list(cap.free_milli)
         whole = [p for p, m in enumerate(vector) if m >= WHOLE_GPU_MILLI and cap.node.gpus[p].healthy]
         for p in whole[:taken]:
             vector[p] = 0
+        if share_position >= 0:
+            vector[share_position] -= share_milli
         gpu_free[row, : len(vector)] = vector
         cpu[row] = max(0, cap.free_cpu - part_cpu)
         mem[row] = max(0, cap.free_mem - part_mem)
@@ -281,7 +288,7 @@ def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass
     strand = np.zeros(len(pairs))
     if STRANDING_ALPHA and (cpu_ratio > 0 or mem_ratio > 0):
         before_g, before_c, before_m, after_g, after_c, after_m = ([] for _ in range(6))
-        for candidate, _, _, _ in pairs:
+        for candidate, *_ in pairs:
             cap, part = targets[candidate.target].rep, candidate.part
             total = sum(cap.free_milli)
             used = part.gpus * part.milli if part.gpus else 0
@@ -291,9 +298,9 @@ def _price_host_costs(workload, targets: list[Target], classes: list[DemandClass
         strand = STRANDING_ALPHA * (fgd.stranded_batch(after_g, after_c, cpu_ratio, after_m, mem_ratio)
                                     - fgd.stranded_batch(before_g, before_c, cpu_ratio, before_m, mem_ratio)
                                     ) / WHOLE_GPU_MILLI
-    for number, (candidate, untouched, gpus_gone, after) in enumerate(pairs):
+    for number, (candidate, untouched, gpus_gone, after, fitted) in enumerate(pairs):
         candidate.host_cost = float(frag[rows[after]] - frag[rows[gpus_gone]])
-        candidate.fit_cost = float(frag[rows[after]] - frag[rows[untouched]] + strand[number])
+        candidate.fit_cost = float(frag[rows[fitted]] - frag[rows[untouched]] + strand[number])
         candidate.strand_cost = float(strand[number])
 
 

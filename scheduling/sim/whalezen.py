@@ -57,15 +57,14 @@ from typing import Sequence
 
 import numpy as np
 
+# LOOKAHEAD_POWERS: the two horizons of the look-ahead measure (docstring, point 2)
 from scheduling.fragmentation import (
-    ScarceHomes, TaskClass, Workload, home_value_batch, lookahead_fragmentation_batch, mix_ratios, normalise,
-    scarce_homes,
+    LOOKAHEAD_POWERS, ScarceHomes, TaskClass, Workload, home_value_batch, lookahead_fragmentation_batch,
+    mix_ratios, normalise, scarce_homes,
 )
 from scheduling.sim.cluster import ArrayCluster, TaskSpec
 from scheduling.sim.policies import FGDPolicy, is_shared
 
-# The look-ahead measure averaged over two horizons (see the module docstring, point 2).
-LOOKAHEAD_POWERS: tuple[float, ...] = (2.0, 10.0)
 # Weight of the scarce-homes term (point 4), in the fragmentation measure's own unit.
 HOME_WEIGHT = 1.0
 
