@@ -7,6 +7,7 @@ the job's state, its pending reason and its events.
 """
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import pytest
@@ -411,3 +412,63 @@ def test_a_gpu_uuid_another_node_holds_is_refused_naming_the_gpu(acme, join_toke
             "GPU here.")
     assert (resp.status_code, resp.json()) == (409, {"gpus": [said], "detail": said})
     assert Node.objects.filter(name=name).count() == (1 if name == "holder" else 0)
+
+
+def test_each_live_cloud_instances_agent_gets_in_with_its_own_token(acme, gpu_models):
+    """Two instances launched into the pool, both waiting for their agents: each one-time token admits
+    its own instance's node, whichever agent comes up first (mutant `_join_target` 9 looked up any live
+    instance and refused every token but that one's)."""
+    launched = [cloud_instance(acme, key="k" * 36 + suffix) for suffix in ("0001", "0002")]
+    for instance, token in reversed(launched):
+        body = register_body(token, name=instance.node_name, agent_key=f"key-{instance.node_name}")
+        resp = APIClient().post(f"{API}/register", body, format="json")
+        assert resp.status_code == 201, resp.content
+        assert Node.objects.get(pk=resp.json()["node_id"]).name == instance.node_name
+
+
+# -- GPUs as reported, not guessed -----------------------------------------------------------------
+def test_a_gpu_the_driver_could_not_name_is_never_given_a_catalogue_model(acme, join_token, gpu_models):
+    """Not even a model with a blank spelling among its aliases (an admin's stray "-"): jobs asking
+    for that model must not land on GPUs nobody named."""
+    a100 = gpu_models["A100-80GB"]
+    a100.aliases = [*(a100.aliases or []), "-"]
+    a100.save()
+    body = register_body(join_token, name="gpu-unnamed")
+    body["gpus"][2]["model"] = None
+    body["gpus"][3]["model"] = ""
+    resp = APIClient().post(f"{API}/register", body, format="json")
+    assert resp.status_code == 201, resp.content
+    rows = _gpu_rows(resp.json()["node_id"])
+    named = body["gpus"][0]["model"]
+    assert [rows[i][1:3] for i in range(4)] == [("A100-80GB", named), ("A100-80GB", named),
+                                                (None, ""), (None, "")]
+
+
+def test_gpu_uuids_of_any_shape_follow_their_gpus_when_renumbered(acme, join_token):
+    """The broker keeps the UUID strings the agent sends as they are (a backend other than NVML need
+    not write `GPU-...`): renumbered between two registrations, the records follow them and the
+    re-registration is not taken for a GPU of another node."""
+    body = register_body(join_token, name="gpu-odd-uuids")
+    body["gpus"][0]["uuid"], body["gpus"][1]["uuid"] = "YYYY", "XXXX"
+    first = APIClient().post(f"{API}/register", body, format="json")
+    assert first.status_code == 201, first.content
+    body["gpus"][0]["uuid"], body["gpus"][1]["uuid"] = "XXXX", "YYYY"
+    again = APIClient().post(f"{API}/register", body, format="json")
+    assert again.status_code == 200, again.content
+    rows = _gpu_rows(first.json()["node_id"])
+    assert (rows[0][0], rows[1][0]) == ("XXXX", "YYYY")
+
+
+def test_an_unknown_gpu_model_is_logged_once_by_name_and_a_known_or_unnamed_one_not(acme, join_token, caplog):
+    """The operator's cue to add the model or an alias (test_kubernetes_bridge.py reads it too)."""
+    body = register_body(join_token, name="gpu-warned")
+    body["gpus"][1]["model"] = body["gpus"][3]["model"] = "Mystery Accelerator 9000"
+    body["gpus"][2]["model"] = None
+    with caplog.at_level(logging.WARNING, logger="broker.agents.services"):
+        resp = APIClient().post(f"{API}/register", body, format="json")
+    assert resp.status_code == 201, resp.content
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "broker.agents.services" and r.levelno >= logging.WARNING]
+    assert warned == ["node gpu-warned: GPU model 'Mystery Accelerator 9000' is not in the catalogue; "
+                      "jobs that ask for a GPU model will not be placed on it until an admin adds the model "
+                      "or an alias (admin: GPU models)"]
