@@ -138,12 +138,19 @@ class Book:
             self._strand_check = strands if alpha else False
         return self._strand_check or None
 
-    def place_job(self, job: JobDemand, target_index: int, part: PartDemand) -> Placement | None:
-        """Best-fit the job's gang into one target; commit it, or leave everything as it was."""
+    def place_job(self, job: JobDemand, target_index: int, part: PartDemand,
+                  node: int | None = None) -> Placement | None:
+        """Best-fit the job's gang into one target; commit it, or leave everything as it was.
+        `node`: a one-node job goes to that node of the target's packer (the greedy priced it
+        there) when it still fits, else where best fit puts it."""
         packer = self.packer(target_index)
         target = self.problem.targets[target_index]
         chosen: list[tuple[int, tuple[int, ...]]] = []
-        for _ in range(max(1, job.nodes)):
+        if node is not None and max(1, job.nodes) == 1:
+            positions = packer.caps[node].choose(part)
+            if positions is not None:
+                chosen.append((node, positions))
+        for _ in range(max(1, job.nodes) - len(chosen)):
             found = packer.find(part, {index for index, _ in chosen})
             if found is None:
                 break

@@ -272,7 +272,9 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
         # Always run (not only when time is left): the plan must not depend on the wall clock.
         greedy_book, greedy_objective = run_greedy()
         note += f"{'; ' if note else ''}MILP {objective:.2f} vs greedy {greedy_objective:.2f}"
-        if greedy_objective < objective - 1e-9:
+        # On a tie greedy is kept: its ties break on purpose (`greedy._key`: the tightest host
+        # fit), the MILP's wherever the solver happened to land.
+        if greedy_objective <= objective + 1e-9:
             book, objective, method = greedy_book, greedy_objective, "greedy"
             note += "; greedy kept"
     # Relocations that the per-node objective prefers to what mapping (or greedy) chose.

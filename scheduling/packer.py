@@ -80,6 +80,15 @@ class TargetPacker:
                     return index, positions
         return found
 
+    def peek(self, part: PartDemand) -> tuple[int, tuple[int, ...]] | None:
+        """Where `find` would put the part among the nodes it has (no launch), changing nothing."""
+        if part.fractional:
+            found = self._find_shared(part, set(), take=False)
+            if found is not None:
+                return found
+            return self._find_in_buckets(part, set(), minimum=1)
+        return self._find_in_buckets(part, set(), minimum=part.gpus)
+
     def _find_existing(self, part: PartDemand, exclude: set[int]) -> tuple[int, tuple[int, ...]] | None:
         if part.fractional:
             found = self._find_shared(part, exclude)
@@ -88,7 +97,7 @@ class TargetPacker:
             return self._find_in_buckets(part, exclude, minimum=1)
         return self._find_in_buckets(part, exclude, minimum=part.gpus)
 
-    def _find_shared(self, part: PartDemand, exclude: set[int]) -> tuple[int, tuple[int, ...]] | None:
+    def _find_shared(self, part: PartDemand, exclude: set[int], take: bool = True) -> tuple[int, tuple[int, ...]] | None:
         start = bisect.bisect_left(self.shared, (part.milli, -1, -1))
         checked = 0
         offset = start
@@ -103,7 +112,8 @@ class TargetPacker:
                     and cap.free_mem >= part.memory_mb and cap.free_memory[position] >= part.min_gpu_memory_mb \
                     and (not part.allowed_models or cap.node.gpus[position].model in part.allowed_models) \
                     and cap.node.gpus[position].healthy:
-                del self.shared[offset]
+                if take:  # the caller places it: `touch` files the GPU again with what is left
+                    del self.shared[offset]
                 return index, (position,)
             offset += 1
         return None

@@ -105,3 +105,16 @@ def test_a_batch_lands_where_one_job_at_a_time_on_the_current_nodes_would(shares
         assert placed == expected, seed
         differs_from_cycle_start += expected != one_at_a_time(snap, priced_now=False)
     assert differs_from_cycle_start, "no batch where the order of placing mattered: the test shows nothing"
+
+
+@pytest.mark.parametrize("method", ["auto", "greedy"])
+def test_of_two_node_kinds_a_gang_fills_equally_well_it_takes_the_one_with_less_memory(method: str) -> None:
+    """An 8-GPU gang leaves nothing free on either 8-GPU node, so every measure scores them the same;
+    the node with twice the memory is what a later memory-hungry task needs. Listed first, it used to
+    win the tie (the shape's number), and on the multi-GPU list the engine trailed whalezen-online."""
+    nodes = [gpu_node("roomy", gpus=8, cpu_milli=96_000, memory=768 * 1024),
+             gpu_node("tight", gpus=8, cpu_milli=96_000, memory=384 * 1024)]
+    mix = (WorkloadClass(gpus=8, gpu_milli=1000, weight=1.0, cpu_milli=64_000, memory_mb=256 * 1024),)
+    snap = snapshot(nodes, [job("gang", gpus=8, cpu_milli=64_000, memory_mb=256 * 1024)], workload=mix)
+    plan = schedule(snap, replace(FAST, method=method))
+    assert plan.placement_for("gang").parts[0].node_id == "tight"
