@@ -199,25 +199,49 @@ def instance_failed(*, instance: CloudInstance, error: ProviderError) -> CloudIn
 
 
 def instance_node_registered(*, node: Node) -> list[int]:
-    """A cloud instance's agent registered `node`: give the waiting jobs their GPUs and start them."""
+    """A cloud instance's agent registered `node`: give the waiting jobs their GPUs and start them.
+
+    A gang launched over several instances starts when the last of them has registered, with every
+    part at once: started on the first alone it would run short of its nodes, and the others' parts
+    would find it no longer waiting. The job's row lock orders two instances registering at once, so
+    the later one sees the earlier and starts the gang."""
     instance = CloudInstance.objects.filter(pool=node.pool, node_name=node.name).first()
     if instance is None:
         return []
     CloudInstance.objects.filter(pk=instance.pk).update(node=node, state=InstanceState.RUNNING)
     started = []
-    for part in instance.placements:
-        job = Job.objects.filter(pk=part["job_id"], state=JobState.PROVISIONING).first()
-        if job is None:
-            continue
-        try:
-            allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=tuple(part["gpu_indices"]),
-                                                            milli=part["milli"])],
-                              expected_state=JobState.PROVISIONING, to_state=JobState.STARTING)
-            started.append(job.pk)
-        except JobError as exc:
-            job_transition(job=job, to=JobState.PENDING, reason_code="LAUNCH_FAILED",
-                           message=f"Instance {node.name} came up but could not take the job: {exc}")
+    for job_id in dict.fromkeys(part["job_id"] for part in instance.placements):
+        with transaction.atomic():
+            job = Job.objects.select_for_update().filter(pk=job_id, state=JobState.PROVISIONING).first()
+            if job is None:
+                continue
+            requests = _gang_requests(job_id=job_id, instance=instance, node=node)
+            if requests is None:
+                continue  # other instances of its gang are still coming up
+            try:
+                allocation_commit(job=job, requests=requests, expected_state=JobState.PROVISIONING,
+                                  to_state=JobState.STARTING)
+                started.append(job.pk)
+            except JobError as exc:
+                job_transition(job=job, to=JobState.PENDING, reason_code="LAUNCH_FAILED",
+                               message=f"Instance {node.name} came up but could not take the job: {exc}")
     return started
+
+
+def _gang_requests(*, job_id: int, instance: CloudInstance, node: Node) -> list[GpuRequest] | None:
+    """The GPUs every instance launched for the job holds for it, or None while one of them has no
+    registered node yet. `instance` is the one `node` just registered for."""
+    requests = []
+    siblings = (CloudInstance.objects.filter(pool=instance.pool, state__in=LIVE_INSTANCE_STATES)
+                .exclude(pk=instance.pk).select_related("node"))
+    holders = [(instance, node)] + [(other, other.node) for other in siblings
+                                    if any(part["job_id"] == job_id for part in other.placements)]
+    for holder, holder_node in holders:
+        if holder_node is None or (holder is not instance and holder.state != InstanceState.RUNNING):
+            return None
+        requests += [GpuRequest(node=holder_node, gpu_indices=tuple(part["gpu_indices"]), milli=part["milli"])
+                     for part in holder.placements if part["job_id"] == job_id]
+    return requests
 
 
 def instance_terminate(*, instance: CloudInstance, reason: str) -> CloudInstance:

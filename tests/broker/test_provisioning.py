@@ -84,6 +84,25 @@ def test_job_bursts_to_aws_and_starts_when_the_node_registers(acme, aws_pool, mo
     assert job.allocations.get(active=True).node.name == instance.node_name
 
 
+def test_a_gang_over_two_instances_starts_when_the_last_registers_with_both_parts(acme, aws_pool):
+    """Started on the first instance alone, the gang ran short of a node and the second instance's
+    part found it no longer waiting: it sat in STARTING with half its GPUs."""
+    job = submit(acme, resources={"gpus": 1, "nodes": 2}, placement={"providers": ["aws"]}, expected_duration_hours=2)
+    outcome = scheduling_cycle_run(tenant=acme.tenant)
+    first, second = (CloudInstance.objects.get(pk=pk) for pk in outcome.launched)
+    assert [p["job_id"] for p in first.placements + second.placements] == [job.pk, job.pk]
+
+    assert provisioning.instance_node_registered(node=register_node_for(first)) == []
+    job.refresh_from_db()
+    assert job.state == JobState.PROVISIONING and not job.allocations.filter(active=True).exists()
+
+    assert provisioning.instance_node_registered(node=register_node_for(second)) == [job.pk]
+    job.refresh_from_db()
+    assert job.state == JobState.STARTING
+    assert sorted(job.allocations.filter(active=True).values_list("node__name", flat=True)) == \
+        sorted([first.node_name, second.node_name])
+
+
 def test_capacity_error_blocks_the_place_and_the_next_cycle_fails_over(acme, aws_pool, monkeypatch):
     job = submit(acme, resources={"gpus": 1}, placement={"providers": ["aws"]})
     first = CloudInstance.objects.get(pk=scheduling_cycle_run(tenant=acme.tenant).launched[0])
