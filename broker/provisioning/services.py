@@ -102,6 +102,9 @@ def launch_request(*, launch: sm.Launch, ref: OfferRef, plan: sm.Plan, jobs: dic
         launching = {part["job_id"] for i, parts in parts_by_instance.items() if i < allowed for part in parts}
         if launching & set(held_back):  # a gang over instances on both sides of the cap: all or nothing
             raise InstanceCapReached(_cap_message(pool, live, launch.count))
+        # One id for the instances of this launch: a gang over several of them starts when all have
+        # registered (`instance_node_registered`), and only these are its siblings.
+        launch_group = uuid.uuid4().hex[:12]
         for i in range(allowed):
             allocation_id = f"launch-{uuid.uuid4().hex[:12]}"
             key = derive_request_key(allocation_id=allocation_id, attempt=1, provider=pool.kind,
@@ -109,7 +112,7 @@ def launch_request(*, launch: sm.Launch, ref: OfferRef, plan: sm.Plan, jobs: dic
             instance = CloudInstance.objects.create(
                 tenant=pool.tenant, pool=pool, request_key=key, instance_type=offer.instance_type, zone=offer.zone,
                 spot=launch.spot, hourly_price_usd=Decimal(str(price)), node_name=f"{pool.name}-{key[-12:]}",
-                placements=parts_by_instance.get(i, []), tags={"allocation": allocation_id},
+                placements=parts_by_instance.get(i, []), tags={"allocation": allocation_id, "launch": launch_group},
                 offer={"region": offer.region, "zone": offer.zone, "instance_type": offer.instance_type,
                        "gpu_model": offer.gpu_model, "gpu_count": offer.gpu_count,
                        "on_demand_per_hour": offer.on_demand_per_hour, "spot_per_hour": offer.spot_per_hour},
@@ -229,11 +232,15 @@ def instance_node_registered(*, node: Node) -> list[int]:
 
 
 def _gang_requests(*, job_id: int, instance: CloudInstance, node: Node) -> list[GpuRequest] | None:
-    """The GPUs every instance launched for the job holds for it, or None while one of them has no
-    registered node yet. `instance` is the one `node` just registered for."""
+    """The GPUs every instance of the same launch holds for the job, or None while one of them has no
+    registered node yet. `instance` is the one `node` just registered for. Instances of an earlier
+    launch that still list the job (its gang was placed again after a boot timeout) are not its
+    siblings: their `placements` are never cleared."""
     requests = []
-    siblings = (CloudInstance.objects.filter(pool=instance.pool, state__in=LIVE_INSTANCE_STATES)
-                .exclude(pk=instance.pk).select_related("node"))
+    group = instance.tags.get("launch")
+    siblings = [] if not group else (
+        CloudInstance.objects.filter(pool=instance.pool, state__in=LIVE_INSTANCE_STATES, tags__launch=group)
+        .exclude(pk=instance.pk).select_related("node"))
     holders = [(instance, node)] + [(other, other.node) for other in siblings
                                     if any(part["job_id"] == job_id for part in other.placements)]
     for holder, holder_node in holders:

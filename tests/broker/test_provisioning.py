@@ -13,6 +13,7 @@ from broker.jobs.states import JobState
 from broker.provisioning import services as provisioning
 from broker.provisioning.reconcile import pool_reconcile
 from broker.scheduler.services import scheduling_cycle_run
+from broker.scheduler.timeouts import stalled_boots_retire
 from providers.base import ErrorKind, ProviderError
 from tests.providers.conftest import moto_ami, moto_endpoint  # noqa: F401  (fixtures)
 
@@ -101,6 +102,27 @@ def test_a_gang_over_two_instances_starts_when_the_last_registers_with_both_part
     assert job.state == JobState.STARTING
     assert sorted(job.allocations.filter(active=True).values_list("node__name", flat=True)) == \
         sorted([first.node_name, second.node_name])
+
+
+def test_a_gang_placed_again_after_a_boot_timeout_starts_on_its_new_instances_only(acme, aws_pool, settings):
+    """The instance that did come up the first time still lists the gang (its `placements` are never
+    cleared); the gang's next launch must not count it as one of its own."""
+    job = submit(acme, resources={"gpus": 1, "nodes": 2}, placement={"providers": ["aws"]}, expected_duration_hours=2)
+    came_up, never = (CloudInstance.objects.get(pk=pk) for pk in scheduling_cycle_run(tenant=acme.tenant).launched)
+    provisioning.instance_node_registered(node=register_node_for(came_up))
+    CloudInstance.objects.filter(pk=never.pk).update(state=InstanceState.PENDING)  # asked for, never registers
+    settings.WHALEZEN_BOOT_TIMEOUT_SECONDS = 0
+    assert stalled_boots_retire() == [never.pk]
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+
+    again = [CloudInstance.objects.get(pk=pk) for pk in scheduling_cycle_run(tenant=acme.tenant).launched]
+    assert len(again) == 2 and came_up.pk not in {i.pk for i in again}
+    assert provisioning.instance_node_registered(node=register_node_for(again[0])) == []
+    assert provisioning.instance_node_registered(node=register_node_for(again[1])) == [job.pk]
+    job.refresh_from_db()
+    assert sorted(job.allocations.filter(active=True).values_list("node__name", flat=True)) == \
+        sorted(i.node_name for i in again)
 
 
 def test_capacity_error_blocks_the_place_and_the_next_cycle_fails_over(acme, aws_pool, monkeypatch):
