@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from django.db import OperationalError
 from django.urls import Resolver404, resolve
 
 from bench.procs import free_port
@@ -47,6 +48,22 @@ def wait_until(predicate, what: str, limit_s: float = 15.0):
             return value
         time.sleep(0.05)
     raise AssertionError(f"gave up waiting for {what}")
+
+
+def beside_the_server(write, limit_s: float = 5.0):
+    """Run a database write from the test thread while the CLI under test may be polling the live
+    server. On SQLite the live server's threads share this thread's connection (pytest-django's
+    in-memory test database), and a statement they have open makes a savepoint here fail with
+    "cannot open savepoint - SQL statements in progress"; nothing was written, so it is tried again.
+    PostgreSQL gives every thread its own connection and never gets here."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            return write()
+        except OperationalError as exc:
+            if "statements in progress" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def run_job(job: Job, node) -> Job:
@@ -377,7 +394,7 @@ def test_submit_wait_exit_codes_when_the_job_is_cancelled_or_the_wait_times_out(
                       "--interval", "0.2", "--timeout", "30")
     try:
         job = _new_job(acme.tenant, "doomed")
-        job_cancel(job=job)
+        beside_the_server(lambda: job_cancel(job=job))
         out, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
