@@ -119,19 +119,20 @@ def _current_order(problem: Problem, book: Book, class_index: int, keyed: list[t
                 known = (version, entry[0], fresh)
                 state.priced[(class_index, t)] = known
             else:
-                stale.append((t, version, entry, fresh, found))
+                inside, positions = found
+                stale.append((t, version, entry, fresh, inside, book.packer(t).caps[inside], positions))
                 continue
         changed.append((known[1], entry[1]))
         if known[2] is not None:
             nodes[t] = known[2]
     if stale:
-        width = max(len(book.packer(t).caps[inside].free_milli) for t, _, _, _, (inside, _) in stale)
+        width = max(len(cap.free_milli) for *_, cap, _ in stale)
         gpu = np.zeros((2 * len(stale), width), dtype=np.int64)
         cpu = np.zeros(2 * len(stale), dtype=np.int64)
         mem = np.zeros(2 * len(stale), dtype=np.int64)
         models: list[str] = []
-        for number, (t, _, (_, candidate), _, (inside, positions)) in enumerate(stale):
-            cap, part = book.packer(t).caps[inside], candidate.part
+        for number, (_, _, (_, candidate), _, _, cap, positions) in enumerate(stale):
+            part = candidate.part
             after = list(cap.free_milli)
             for p in positions:
                 after[p] = after[p] - part.milli if part.fractional else 0
@@ -141,8 +142,8 @@ def _current_order(problem: Problem, book: Book, class_index: int, keyed: list[t
             mem[2 * number], mem[2 * number + 1] = cap.free_mem, max(0, cap.free_mem - part.memory_mb)
             models += [cap.node.gpus[0].model if cap.node.gpus else ""] * 2
         cost = node_cost_batch(gpu, cpu, models, problem.workload, mem)
-        for number, (t, version, (static_key, candidate), fresh, (inside, _)) in enumerate(stale):
-            cap, part = book.packer(t).caps[inside], candidate.part
+        for number, (t, version, (static_key, candidate), fresh, inside, cap, _) in enumerate(stale):
+            part = candidate.part
             total = sum(cap.free_milli)
             now = stranded_gpus(total, cap.free_cpu, cap.free_mem, cpu_ratio, mem_ratio)
             after = stranded_gpus(max(0, total - part_gpu_milli(part)), max(0, cap.free_cpu - part.cpu_milli),

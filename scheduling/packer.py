@@ -82,22 +82,19 @@ class TargetPacker:
 
     def peek(self, part: PartDemand) -> tuple[int, tuple[int, ...]] | None:
         """Where `find` would put the part among the nodes it has (no launch), changing nothing."""
-        if part.fractional:
-            found = self._find_shared(part, set(), take=False)
-            if found is not None:
-                return found
-            return self._find_in_buckets(part, set(), minimum=1)
-        return self._find_in_buckets(part, set(), minimum=part.gpus)
+        return self._find_existing(part, set(), take=False)
 
-    def _find_existing(self, part: PartDemand, exclude: set[int]) -> tuple[int, tuple[int, ...]] | None:
+    def _find_existing(self, part: PartDemand, exclude: set[int],
+                       take: bool = True) -> tuple[int, tuple[int, ...]] | None:
         if part.fractional:
-            found = self._find_shared(part, exclude)
+            found = self._find_shared(part, exclude, take)
             if found is not None:
                 return found
             return self._find_in_buckets(part, exclude, minimum=1)
         return self._find_in_buckets(part, exclude, minimum=part.gpus)
 
-    def _find_shared(self, part: PartDemand, exclude: set[int], take: bool = True) -> tuple[int, tuple[int, ...]] | None:
+    def _find_shared(self, part: PartDemand, exclude: set[int],
+                     take: bool = True) -> tuple[int, tuple[int, ...]] | None:
         start = bisect.bisect_left(self.shared, (part.milli, -1, -1))
         checked = 0
         offset = start

@@ -59,7 +59,7 @@ import numpy as np
 
 # LOOKAHEAD_POWERS: the two horizons of the look-ahead measure (docstring, point 2)
 from scheduling.fragmentation import (
-    LOOKAHEAD_POWERS, ScarceHomes, TaskClass, Workload, home_value_batch, lookahead_fragmentation_batch,
+    LOOKAHEAD_POWERS, ScarceHomes, TaskClass, Workload, home_value_batch, horizons_fragmentation_batch,
     mix_ratios, normalise, scarce_homes,
 )
 from scheduling.sim.cluster import ArrayCluster, TaskSpec
@@ -105,9 +105,7 @@ class WhaleZenOnline(FGDPolicy):
             self.home_access = self.homes.model_access(cluster.models)
 
     def frag_of(self, gpu: np.ndarray, cpu: np.ndarray, mem: np.ndarray, model: np.ndarray) -> np.ndarray:
-        base = sum(super(WhaleZenOnline, self).frag_of(gpu, cpu, mem, model) if power == 1.0
-                   else lookahead_fragmentation_batch(gpu, cpu, self.workload, mem, self.access[model], power)
-                   for power in self.powers) / len(self.powers)
+        base = horizons_fragmentation_batch(gpu, cpu, self.workload, mem, self.access[model], self.powers)
         total = gpu.sum(axis=1).astype(np.float64)
         stranded = np.zeros_like(total)
         if self.cpu_per_gpu > 0:
