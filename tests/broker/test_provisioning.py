@@ -104,6 +104,62 @@ def test_a_gang_over_two_instances_starts_when_the_last_registers_with_both_part
         sorted([first.node_name, second.node_name])
 
 
+@requires_postgres
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_gangs_two_instances_registering_at_once_start_it_once_with_both_parts(acme, aws_pool, monkeypatch):
+    """Real concurrency on PostgreSQL: both agents register at the same moment. Whichever takes the
+    job's row lock first must see the other instance if it has registered (and start the gang with
+    both parts), or leave the start to it; the gang starts exactly once either way. The first to
+    hold the lock waits inside it until the other has registered and queued on the lock."""
+    import threading
+
+    from django.db import close_old_connections, connection
+
+    for round_ in range(3):
+        job = submit(acme, name=f"gang-{round_}", resources={"gpus": 1, "nodes": 2}, placement={"providers": ["aws"]},
+                     expected_duration_hours=2)
+        launched = [CloudInstance.objects.get(pk=pk) for pk in scheduling_cycle_run(tenant=acme.tenant).launched]
+        assert len(launched) == 2, launched
+        nodes = [register_node_for(instance) for instance in launched]  # rows only: the call is what races
+        inside = threading.Barrier(2)
+        siblings = provisioning._gang_requests
+
+        def wait_inside_the_lock(**kwargs):
+            try:
+                inside.wait(timeout=1)  # the other thread is blocked on the job's lock: it never arrives
+            except threading.BrokenBarrierError:
+                pass
+            return siblings(**kwargs)
+
+        monkeypatch.setattr(provisioning, "_gang_requests", wait_inside_the_lock)
+        start = threading.Barrier(2)
+        started: list[int] = []
+
+        def register(node) -> None:
+            close_old_connections()
+            try:
+                start.wait()
+                started.extend(provisioning.instance_node_registered(node=node))
+            finally:
+                connection.close()
+
+        threads = [threading.Thread(target=register, args=(node,)) for node in nodes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        monkeypatch.undo()
+        job.refresh_from_db()
+        assert started == [job.pk], f"round {round_}: {started}"
+        assert job.state == JobState.STARTING
+        assert sorted(job.allocations.filter(active=True).values_list("node__name", flat=True)) == \
+            sorted(instance.node_name for instance in launched)
+        Job.objects.filter(pk=job.pk).update(state=JobState.CANCELLED)
+        CloudInstance.objects.filter(pk__in=[i.pk for i in launched]).update(state=InstanceState.TERMINATED)
+        Node.objects.filter(pk__in=[node.pk for node in nodes]).update(state="OFFLINE")  # the next gang bursts too
+
+
 def test_a_gang_placed_again_after_a_boot_timeout_starts_on_its_new_instances_only(acme, aws_pool, settings):
     """The instance that did come up the first time still lists the gang (its `placements` are never
     cleared); the gang's next launch must not count it as one of its own."""
