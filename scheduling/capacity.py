@@ -8,6 +8,7 @@ GPU chosen by one is never chosen again by another) and reads the chosen indices
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from scheduling.model import WHOLE_GPU_MILLI, NodeState, SCHEDULABLE_NODE_STATES
 
@@ -33,7 +34,7 @@ class PartDemand:
 class NodeCapacity:
     """Free capacity of one node, updated as the cycle places work on it."""
 
-    __slots__ = ("node", "free_milli", "free_memory", "free_cpu", "free_mem", "schedulable")
+    __slots__ = ("node", "free_milli", "free_memory", "free_cpu", "free_mem", "schedulable", "share_choice")
 
     def __init__(self, node: NodeState) -> None:
         self.node = node
@@ -42,6 +43,9 @@ class NodeCapacity:
         self.free_cpu = node.free_cpu_milli
         self.free_mem = node.free_memory_mb
         self.schedulable = node.state in SCHEDULABLE_NODE_STATES
+        # Which GPU of this node a share takes when several could (`patterns.ShareChoice`: the one
+        # that leaves the least fragmentation); None: best fit.
+        self.share_choice: Callable[[NodeCapacity, PartDemand, list[int]], int] | None = None
 
     def whole_free(self) -> int:
         return self.free_milli.count(WHOLE_GPU_MILLI)  # free milli never exceeds a whole GPU
@@ -94,6 +98,8 @@ class NodeCapacity:
         if part.fractional:
             if not eligible:
                 return None
+            if self.share_choice is not None and len({self.free_milli[p] for p in eligible}) > 1:
+                return (self.share_choice(self, part, eligible),)
             # Best fit: the GPU with the least room left that still fits, so whole GPUs stay whole.
             best = min(eligible, key=lambda p: (self.free_milli[p], p))
             return (best,)
@@ -157,4 +163,5 @@ class NodeCapacity:
         clone.free_cpu = self.free_cpu
         clone.free_mem = self.free_mem
         clone.schedulable = self.schedulable
+        clone.share_choice = self.share_choice
         return clone

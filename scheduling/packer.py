@@ -4,8 +4,9 @@ Indexed so each placement costs about O(log n) instead of a scan of every node:
 - nodes are bucketed by how many whole GPUs they have free; a gang of k GPUs goes to the fullest
   node that still has k (best fit keeps big holes for big gangs, the FGD lesson), preferring one
   where its CPU and memory strand no GPU (`strands`, when given);
-- shared GPUs sit in one list sorted by free milli; a fractional job takes the tightest GPU that
-  fits, and only opens a whole GPU (on the node with the fewest whole GPUs left) when none does;
+- shared GPUs sit in one list sorted by free milli; a fractional job goes to the node of the
+  tightest GPU that fits, and only opens a whole GPU (on the node with the fewest whole GPUs left)
+  when none does; inside the node, the GPU its capacity's share choice prefers (best fit without one);
 - CPU-only jobs go to the nodes with the fewest free GPUs, where their CPU use strands least,
   and among those to the one with the most free CPU (spread, not piled onto one node).
 """
@@ -109,6 +110,12 @@ class TargetPacker:
                     and cap.free_mem >= part.memory_mb and cap.free_memory[position] >= part.min_gpu_memory_mb \
                     and (not part.allowed_models or cap.node.gpus[position].model in part.allowed_models) \
                     and cap.node.gpus[position].healthy:
+                if cap.share_choice is not None:
+                    # The node with the tightest fit, and there the GPU its share choice prefers (this
+                    # entry stays filed unless that is its GPU; `touch` files the chosen one again).
+                    chosen = cap.choose(part)
+                    if chosen is not None and chosen[0] != position:
+                        return index, chosen
                 if take:  # the caller places it: `touch` files the GPU again with what is left
                     del self.shared[offset]
                 return index, (position,)

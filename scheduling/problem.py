@@ -222,7 +222,12 @@ def build_problem(snapshot: Snapshot, policy: Policy, capacities: list[NodeCapac
         classes.append(demand_class)
     problem = Problem(snapshot=snapshot, policy=policy, pricing=pricing, capacities=capacities, targets=targets,
                       classes=classes, ctx=ctx, weights=weights, reference_hours=reference_hours, plugins=plugins)
-    if weights["fragmentation"]:
+    if weights["fragmentation"] and problem.workload is not None:
+        from scheduling.patterns import ShareChoice
+
+        choice = ShareChoice(problem.workload)  # every copy of these capacities (the book's) keeps it
+        for cap in [*capacities, *(t.rep for t in targets if t.kind == "node")]:
+            cap.share_choice = choice
         _price_host_costs(problem.workload, targets, classes)
     return problem
 
