@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -24,9 +23,7 @@ from typing import Sequence
 
 from bench.backends import backend
 from bench.migration import Api, service, wait_for
-from bench.procs import live_processes
-
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+from bench.procs import cpu_seconds, live_processes
 
 
 def agent_pids() -> dict[int, str]:
@@ -36,12 +33,6 @@ def agent_pids() -> dict[int, str]:
         if argv[1:3] == ["-m", "agent"] and "--name" in argv:
             found[pid] = argv[argv.index("--name") + 1]
     return found
-
-
-def cpu_seconds(pid: int) -> float:
-    stat = open(f"/proc/{pid}/stat").read()
-    fields = stat[stat.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime + stime
 
 
 def window(pids: dict[int, str], seconds: float) -> dict[str, float]:

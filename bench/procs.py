@@ -26,6 +26,16 @@ def live_processes() -> Iterator[tuple[int, list[str], bytes]]:
         yield int(proc.name), argv, environ
 
 
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (`/proc/<pid>/stat`)."""
+    stat = open(f"/proc/{pid}/stat").read()
+    fields = stat[stat.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime + stime
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on at this moment (the kernel's pick)."""
     with socket.socket() as sock:

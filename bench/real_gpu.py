@@ -32,9 +32,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
+from bench.migration import wait_for
+from bench.procs import cpu_seconds
 from tests.agent.fake_broker import FakeBroker
 
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 DCGM_PREFIX = "DCGM_FI_DEV_"
 
 # The job: matrix products on the GPU the agent hands it (CUDA_VISIBLE_DEVICES), for a set time.
@@ -60,32 +61,17 @@ CPU_JOB = "import os, sys, time; print('CUDA_VISIBLE_DEVICES=' + os.environ.get(
           "time.sleep(float(sys.argv[1]))"
 
 
-def cpu_seconds(pid: int) -> float:
-    stat = open(f"/proc/{pid}/stat").read()
-    fields = stat[stat.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-
-
-def scrape(url: str) -> dict[str, float]:
-    """DCGM series of the endpoint: `NAME{gpu="0"}` -> value."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+def scrape(url: str) -> tuple[dict[str, float], list[str]]:
+    """The endpoint's DCGM series as `NAME{gpu="0"}` -> value, and its DCGM lines as served."""
+    lines = [line for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines()
+             if line.startswith(DCGM_PREFIX)]
     series = {}
-    for line in text.splitlines():
-        if line.startswith(DCGM_PREFIX):
-            name_labels, value = line.rsplit(" ", 1)
-            name = name_labels.split("{", 1)[0]
-            gpu = name_labels.split('gpu="', 1)[1].split('"', 1)[0]
-            series[f'{name}{{gpu="{gpu}"}}'] = float(value)
-    return series
-
-
-def wait_for(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.2)
-    raise SystemExit(f"gave up waiting for {what}")
+    for line in lines:
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        gpu = name_labels.split('gpu="', 1)[1].split('"', 1)[0]
+        series[f'{name}{{gpu="{gpu}"}}'] = float(value)
+    return series, lines
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -125,9 +111,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                 "cpu_milli": registration.get("cpu_milli"), "memory_mb": registration.get("memory_mb")}
         print("== registration", json.dumps(result["registered"]), flush=True)
         metrics_url = registration["metrics_url"]
-        result["idle_metrics"] = scrape(metrics_url)
-        result["gpu0_series"] = [line for line in urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-                                 .splitlines() if line.startswith(DCGM_PREFIX) and 'gpu="0"' in line]
+        result["idle_metrics"], lines = scrape(metrics_url)
+        result["gpu0_series"] = [line for line in lines if 'gpu="0"' in line]
         print("== the exporter's lines for GPU 0", *result["gpu0_series"], sep="\n", flush=True)
         print("== idle scrape", json.dumps(result["idle_metrics"], indent=1), flush=True)
 
@@ -148,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                            60, "the job to run or fail")
         if started[0] == "running":
             time.sleep(min(10.0, args.job_seconds / 2))
-            result["busy_metrics"] = scrape(metrics_url)
+            result["busy_metrics"], _ = scrape(metrics_url)
             print("== scrape while the job runs", json.dumps(result["busy_metrics"], indent=1), flush=True)
         final = wait_for(lambda: [s for s in broker.statuses_for("a1") if s["state"] in ("exited", "failed")],
                          args.job_seconds + 90, "the job to finish")[0]

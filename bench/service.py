@@ -529,7 +529,7 @@ def service_cpu(server: Any) -> dict[int, tuple[str, float]]:
     (gunicorn), worker, beat, serve, and what they started (the `local` provider's instance agents). Found
     by parentage: where setproctitle is installed (mutmut brings it) gunicorn renames its processes, and the
     var dir in their environment can no longer be read back: the bench then missed the web server's CPU."""
-    from bench.agent_cpu import cpu_seconds
+    from bench.procs import cpu_seconds
     from bench.procs import process_role, process_tree
 
     out = {}

@@ -297,8 +297,8 @@ class ShareChoice:
     after which the node's fragmentation measure (`node_cost_batch`) is lowest, as whalezen-online
     chooses, instead of the tightest fit. Best fit leaves whatever sliver is left, which on a list of
     shares is often dust that no later share fits (a 0.25 share on a GPU with 0.3 free leaves 0.05),
-    where another GPU of the node would leave a gap that the mix fills; on the share-heavy list it
-    left 6 GPUs more unallocated at 130% (bench/README.md section 1). Ties go to the tighter GPU, then
+    where another GPU of the node would leave a gap that the mix fills; on the share-heavy list best fit
+    left 4 GPUs more unallocated at 130% (seeds 42-44, bench/README.md section 1). Ties go to the tighter GPU, then
     the lower position. A cycle meets the same node state many times: each answer is kept."""
 
     def __init__(self, workload: fgd.Workload) -> None:

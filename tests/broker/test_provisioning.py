@@ -47,6 +47,30 @@ def running_ours(endpoint, broker_id):
     return [i for r in found["Reservations"] for i in r["Instances"]]
 
 
+def at_once(call, args) -> None:
+    """`call(arg)` for each of `args` in a thread of its own, with its own database connection, all
+    released at the same moment; returns when every one has finished (PostgreSQL concurrency tests)."""
+    import threading
+
+    from django.db import close_old_connections, connection
+
+    start = threading.Barrier(len(args))
+
+    def run(arg) -> None:
+        close_old_connections()
+        try:
+            start.wait()
+            call(arg)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(arg,)) for arg in args]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+
 def register_node_for(instance: CloudInstance) -> Node:
     """What the agent on the new VM does when it boots: register under the instance's node name."""
     node = Node.objects.create(tenant=instance.tenant, pool=instance.pool, name=instance.node_name,
@@ -114,8 +138,6 @@ def test_a_gangs_two_instances_registering_at_once_start_it_once_with_both_parts
     hold the lock waits inside it until the other has registered and queued on the lock."""
     import threading
 
-    from django.db import close_old_connections, connection
-
     for round_ in range(3):
         job = submit(acme, name=f"gang-{round_}", resources={"gpus": 1, "nodes": 2}, placement={"providers": ["aws"]},
                      expected_duration_hours=2)
@@ -133,22 +155,8 @@ def test_a_gangs_two_instances_registering_at_once_start_it_once_with_both_parts
             return siblings(**kwargs)
 
         monkeypatch.setattr(provisioning, "_gang_requests", wait_inside_the_lock)
-        start = threading.Barrier(2)
         started: list[int] = []
-
-        def register(node) -> None:
-            close_old_connections()
-            try:
-                start.wait()
-                started.extend(provisioning.instance_node_registered(node=node))
-            finally:
-                connection.close()
-
-        threads = [threading.Thread(target=register, args=(node,)) for node in nodes]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
+        at_once(lambda node: started.extend(provisioning.instance_node_registered(node=node)), nodes)
         monkeypatch.undo()
         job.refresh_from_db()
         assert started == [job.pk], f"round {round_}: {started}"
@@ -378,8 +386,6 @@ def test_two_cycles_committing_launches_at_once_stay_under_the_cap(acme, sim_poo
     without the lock, both would certainly count 0 and launch 2 each."""
     import threading
 
-    from django.db import close_old_connections, connection
-
     from broker.scheduler.services import plan_commit
 
     for round_ in range(3):
@@ -398,22 +404,9 @@ def test_two_cycles_committing_launches_at_once_stay_under_the_cap(acme, sim_poo
             return n
 
         monkeypatch.setattr(provisioning, "pool_instances_capped", count_then_meet)
-        start = threading.Barrier(2)
         launched: list[int] = []
-
-        def commit(plan) -> None:
-            close_old_connections()
-            try:
-                start.wait()
-                launched.extend(plan_commit(tenant=acme.tenant, plan=plan, offer_index=index).launched)
-            finally:
-                connection.close()
-
-        threads = [threading.Thread(target=commit, args=(p,)) for p in (plan_a, plan_b)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        at_once(lambda plan: launched.extend(plan_commit(tenant=acme.tenant, plan=plan, offer_index=index).launched),
+                [plan_a, plan_b])
         monkeypatch.undo()
         assert len(launched) == 2 and live_instances(sim_pool) == 2, f"round {round_}: {launched}"
         Job.objects.filter(pk__in=[j.pk for j in first + second]).update(state=JobState.CANCELLED)
