@@ -48,6 +48,7 @@ print("device:", torch.cuda.get_device_name(0), "count:", torch.cuda.device_coun
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 ballast = torch.empty(int(20e9), dtype=torch.uint8, device="cuda")  # 20 GB, for DCGM_FI_DEV_FB_USED
+print("computing", flush=True)
 done, started = 0, time.monotonic()
 while time.monotonic() - started < seconds:
     for _ in range(50):
@@ -58,7 +59,7 @@ elapsed = time.monotonic() - started
 print(f"products: {done}, TFLOP/s: {done * 2 * 8192**3 / elapsed / 1e12:.0f}", flush=True)
 """
 CPU_JOB = "import os, sys, time; print('CUDA_VISIBLE_DEVICES=' + os.environ.get('CUDA_VISIBLE_DEVICES', '')); " \
-          "time.sleep(float(sys.argv[1]))"
+          "print('computing', flush=True); time.sleep(float(sys.argv[1]))"
 
 
 def scrape(url: str) -> tuple[dict[str, float], list[str]]:
@@ -132,7 +133,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         started = wait_for(lambda: [s["state"] for s in broker.statuses_for("a1") if s["state"] in ("running", "failed")],
                            60, "the job to run or fail")
         if started[0] == "running":
-            time.sleep(min(10.0, args.job_seconds / 2))
+            # Scrape once the job computes (importing PyTorch and starting CUDA take seconds), after the
+            # agent's next sample (every heartbeat, 2 s here).
+            wait_for(lambda: "computing" in _job_log(work / "jobs") or broker.statuses_for("a1")[-1]["state"] != "running",
+                     60, "the job to start computing")
+            time.sleep(min(3.0, args.job_seconds / 3))
             result["busy_metrics"], _ = scrape(metrics_url)
             print("== scrape while the job runs", json.dumps(result["busy_metrics"], indent=1), flush=True)
         final = wait_for(lambda: [s for s in broker.statuses_for("a1") if s["state"] in ("exited", "failed")],
