@@ -19,10 +19,12 @@ _UNSET = object()
 
 
 def values_insert(model: type[models.Model], columns: Sequence[str], rows: Iterable[Sequence[Any]], *,
-                  ignore_conflicts: bool = False) -> None:
+                  ignore_conflicts: bool = False, integers: bool = False) -> None:
     """Insert rows of already database-ready values for the named fields of `model`. `ignore_conflicts`:
     a row a unique constraint refuses is skipped (`ON CONFLICT DO NOTHING`, one prepared statement sent
-    per row: COPY cannot skip rows)."""
+    per row: COPY cannot skip rows). `integers`: the caller's word that every value is an int or a bool;
+    on PostgreSQL the rows are then written as COPY text in one piece (psycopg's `write_row` adapts
+    value by value: 0.1 s of the cycle's 45,000 slot rows)."""
     meta = model._meta
     quote = connection.ops.quote_name
     names = ", ".join(quote(meta.get_field(name).column) for name in columns)
@@ -31,8 +33,11 @@ def values_insert(model: type[models.Model], columns: Sequence[str], rows: Itera
         if connection.vendor == "postgresql" and not ignore_conflicts:
             # Errors wrapped as Django's, so an IntegrityError still reaches the caller's rollback.
             with connection.wrap_database_errors, cursor.cursor.copy(f"COPY {table} ({names}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+                if integers:  # str() of an int is its COPY text; of a bool, "True"/"False", which boolean reads
+                    copy.write("".join("\t".join(map(str, row)) + "\n" for row in rows))
+                else:
+                    for row in rows:
+                        copy.write_row(row)
         else:
             marks = ", ".join(["%s"] * len(columns))
             tail = " ON CONFLICT DO NOTHING" if ignore_conflicts else ""
@@ -93,6 +98,36 @@ def fields_insert(model: type[models.Model], rows: list[dict[str, Any]], *, with
             columns.append([f.get_db_prep_save(default, wrapper)] * len(rows))
     values_insert(model, names, zip(*columns), ignore_conflicts=ignore_conflicts)
     return ids
+
+
+def rows_update(model: type[models.Model], fields: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """`UPDATE model SET fields = values WHERE pk = key` for many rows, each (values..., key) with the
+    values already prepared for the database (`get_db_prep_save`). On PostgreSQL one statement per
+    `ROWS_PER_UPDATE` rows joins the table to a VALUES list: an executemany sends a statement per row,
+    and the cycle's 2,000 node epochs took 0.1 s that way (bench.service). SQLite runs in-process,
+    where the executemany is as fast."""
+    if not rows:
+        return
+    meta, quote = model._meta, connection.ops.quote_name
+    table, key = quote(meta.db_table), quote(meta.pk.column)
+    columns = [meta.get_field(name) for name in fields]
+    with connection.cursor() as cursor:
+        if connection.vendor != "postgresql":
+            cursor.executemany(f"UPDATE {table} SET " + ", ".join(f"{quote(f.column)} = %s" for f in columns)
+                               + f" WHERE {key} = %s", [tuple(row) for row in rows])
+            return
+        names = [f"c{i}" for i in range(len(columns))]
+        # VALUES gives literals the type `text` or `integer`: each is cast to its column's type.
+        sets = ", ".join(f"{quote(f.column)} = v.{n}::{f.cast_db_type(connection)}" for f, n in zip(columns, names))
+        marks = "(" + ", ".join(["%s"] * (len(columns) + 1)) + ")"
+        for start in range(0, len(rows), ROWS_PER_UPDATE):
+            part = rows[start:start + ROWS_PER_UPDATE]
+            cursor.execute(f"UPDATE {table} SET {sets} FROM (VALUES {', '.join([marks] * len(part))}) "
+                           f"AS v({', '.join(names)}, k) WHERE {table}.{key} = v.k",
+                           [value for row in part for value in row])
+
+
+ROWS_PER_UPDATE = 1000
 
 
 def row_update(model: type[models.Model], values: dict[str, Any], where: dict[str, Any], *,

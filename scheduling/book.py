@@ -110,32 +110,14 @@ class Book:
         self.packers[target_index] = packer
         return packer
 
-    def _strands(self):
+    def _strands(self) -> "StrandingCheck | None":
         """For packers of multi-node shapes: does a part raise a node's stranded GPUs?"""
         if getattr(self, "_strand_check", None) is None:
-            from scheduling.patterns import part_gpu_milli, stranding_coefficients
+            from scheduling.patterns import stranding_coefficients
 
             alpha, cpu_ratio, mem_ratio = (stranding_coefficients(self.problem.workload)
                                            if self.problem.weights["fragmentation"] else (0.0, 0.0, 0.0))
-
-            def strands(cap: NodeCapacity, part: PartDemand) -> bool:
-                used = part_gpu_milli(part)
-                # A part within the mix's CPU and memory per GPU never raises stranding.
-                cpu_heavy = cpu_ratio > 0 and part.cpu_milli > used * cpu_ratio
-                mem_heavy = mem_ratio > 0 and part.memory_mb > used * mem_ratio
-                if not cpu_heavy and not mem_heavy:
-                    return False
-                # Stranded before: max(0, now_c, now_m); after: each term grows by what the part
-                # asks beyond the ratio, so it strands more iff an after-term exceeds the before.
-                total = sum(cap.free_milli)
-                now_c = total - cap.free_cpu / cpu_ratio if cpu_ratio > 0 else -1.0
-                now_m = total - cap.free_mem / mem_ratio if mem_ratio > 0 else -1.0
-                before = max(0.0, now_c, now_m)
-                after_c = now_c - used + part.cpu_milli / cpu_ratio if cpu_ratio > 0 else -1.0
-                after_m = now_m - used + part.memory_mb / mem_ratio if mem_ratio > 0 else -1.0
-                return max(after_c, after_m) > before + 1e-6
-
-            self._strand_check = strands if alpha else False
+            self._strand_check = StrandingCheck(cpu_ratio, mem_ratio) if alpha else False
         return self._strand_check or None
 
     def place_job(self, job: JobDemand, target_index: int, part: PartDemand,
@@ -377,3 +359,34 @@ class Book:
 def launch_id(target: Target) -> str:
     assert target.offer is not None
     return f"launch:{target.offer.id}:{'spot' if target.spot else 'od'}"
+
+
+class StrandingCheck:
+    """Would a part raise a node's CPU/memory-stranded GPUs (the mix's CPU and memory per GPU as the
+    ratios)? `possible(part)` answers for every node at once when the part is within both ratios (it
+    then never strands): the packer skips its stranding pass for such parts, most of them, instead of
+    asking node by node (90,000 calls in a 5,000-job cycle)."""
+
+    def __init__(self, cpu_ratio: float, mem_ratio: float) -> None:
+        from scheduling.patterns import part_gpu_milli  # patterns imports this module
+
+        self.cpu_ratio, self.mem_ratio, self.gpu_milli = cpu_ratio, mem_ratio, part_gpu_milli
+
+    def possible(self, part: PartDemand) -> bool:
+        used = self.gpu_milli(part)
+        return (self.cpu_ratio > 0 and part.cpu_milli > used * self.cpu_ratio) or \
+            (self.mem_ratio > 0 and part.memory_mb > used * self.mem_ratio)
+
+    def __call__(self, cap: NodeCapacity, part: PartDemand) -> bool:
+        if not self.possible(part):
+            return False
+        used, cpu_ratio, mem_ratio = self.gpu_milli(part), self.cpu_ratio, self.mem_ratio
+        # Stranded before: max(0, now_c, now_m); after: each term grows by what the part
+        # asks beyond the ratio, so it strands more iff an after-term exceeds the before.
+        total = sum(cap.free_milli)
+        now_c = total - cap.free_cpu / cpu_ratio if cpu_ratio > 0 else -1.0
+        now_m = total - cap.free_mem / mem_ratio if mem_ratio > 0 else -1.0
+        before = max(0.0, now_c, now_m)
+        after_c = now_c - used + part.cpu_milli / cpu_ratio if cpu_ratio > 0 else -1.0
+        after_m = now_m - used + part.memory_mb / mem_ratio if mem_ratio > 0 else -1.0
+        return max(after_c, after_m) > before + 1e-6

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from scheduling.book import Book
 from scheduling.capacity import NodeCapacity
+from scheduling.collector import fewer_collections
 from scheduling.consolidate import plan_consolidation
 from scheduling.defrag import plan_defragmentation
 from scheduling.explain import explain_pending
@@ -54,6 +55,11 @@ NOT_CAPACITY_CODES = frozenset({
 
 
 def schedule(snapshot: Snapshot, policy: Policy | None = None) -> Plan:
+    with fewer_collections():  # scheduling/collector.py: the cycle's objects live until it ends
+        return _schedule(snapshot, policy)
+
+
+def _schedule(snapshot: Snapshot, policy: Policy | None) -> Plan:
     started = time.perf_counter()
     policy = policy or Policy()
     nominal_placements: dict[str, Placement] = {}

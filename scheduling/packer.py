@@ -14,10 +14,19 @@ Indexed so each placement costs about O(log n) instead of a scan of every node:
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from typing import Callable, Protocol
 
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI
+
+class Stranding(Protocol):
+    """Would a part raise a node's CPU/memory-stranded GPUs (`book.StrandingCheck`)."""
+
+    def possible(self, part: PartDemand) -> bool:
+        """False when the part strands no GPU on any node: the stranding pass is skipped."""
+
+    def __call__(self, cap: NodeCapacity, part: PartDemand) -> bool: ...
+
 
 # Nodes tried per bucket before moving on (CPU or memory may be short on many of them).
 LOOKAHEAD = 32
@@ -25,7 +34,7 @@ LOOKAHEAD = 32
 
 class TargetPacker:
     def __init__(self, caps: list[NodeCapacity], grow: Callable[[], NodeCapacity | None] | None = None,
-                 strands: Callable[[NodeCapacity, PartDemand], bool] | None = None) -> None:
+                 strands: Stranding | None = None) -> None:
         # strands(cap, part): would the part raise the node's CPU/memory-stranded GPUs? Gangs
         # then go to the fullest node where it would not, if the first nodes of a bucket have one.
         self.strands = strands
@@ -126,7 +135,7 @@ class TargetPacker:
         levels = sorted(w for w in self.buckets if w >= minimum)
         if part.gpus == 0:
             return self._find_cpu_only(part, exclude, levels)
-        if self.strands is not None and part not in self.stranding_everywhere:
+        if self.strands is not None and part not in self.stranding_everywhere and self.strands.possible(part):
             # Best fit among the nodes where the gang's CPU strands no GPU (a bounded look).
             for whole in levels:
                 for index in self.buckets[whole][:LOOKAHEAD]:

@@ -38,7 +38,7 @@ from broker.jobs.quota import QuotaRoom
 from broker.jobs.services import GpuRequest, JobError, allocation_commit
 from broker.jobs.signals import PlacedAllocation, allocations_placed
 from broker.jobs.states import JobState
-from broker.rows import fields_insert, values_insert
+from broker.rows import fields_insert, rows_update, values_insert
 from broker.tenancy.models import Tenant
 
 # Jobs per transaction. PostgreSQL locks only the chunk's node, team and job rows: 1,000 hold them about
@@ -46,6 +46,9 @@ from broker.tenancy.models import Tenant
 # locks the whole database for a transaction's length, and every web request that writes waits for it.
 CHUNK = {"postgresql": 1000}
 CHUNK_DEFAULT = 250
+# The nodes' JSON columns, which no placement reads: decoding them for every node of every chunk was a
+# tenth of the commit (bench.service).
+NODE_JSON = ("container_runtimes", "labels", "topology", "interruption")
 # Pending reasons per transaction: on SQLite a chunk holds the database's one write lock, and submissions
 # queue behind it (bench.service: p99 1.6 s at 32 submitters while cycles wrote reasons 1,000 at a time).
 REASON_CHUNK = {"postgresql": 1000}
@@ -105,7 +108,8 @@ def placements_commit(*, items: list[tuple[Job | JobRef, list[GpuRequest]]]) -> 
 
 def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: BatchResult) -> None:
     node_ids = sorted({r.node.pk for _, requests in chunk for r in requests})
-    nodes = {n.pk: n for n in Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk")}
+    nodes = {n.pk: n for n in Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk")
+             .defer(*NODE_JSON)}
     tenant_ids = sorted({job.tenant_id for job, _ in chunk})
     list(Tenant.objects.select_for_update().filter(pk__in=tenant_ids).order_by("pk"))
     pending = set(Job.objects.select_for_update().filter(pk__in=[job.pk for job, _ in chunk],
@@ -118,7 +122,9 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
             for node_id, index, pk, health, compute_units, model in Gpu.objects.filter(node_id__in=node_ids)
             .values_list("node_id", "index", "pk", "health", "model__compute_units",
                          Coalesce("model__name", "model_name"))}
-    taken = _held_slots(node_ids)
+    wanted = {gpus[r.node.pk, index].pk for _, requests in chunk for r in requests for index in r.gpu_indices
+              if (r.node.pk, index) in gpus}
+    taken = _held_slots(wanted)
     room = {tenant_id: QuotaRoom(tenant_id) for tenant_id in tenant_ids}
     epochs = {pk: node.epoch for pk, node in nodes.items()}
     now = timezone.now()
@@ -160,11 +166,9 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
     # The partial unique constraint still refuses a slot held twice (IntegrityError: the chunk rolls back).
     values_insert(AllocationSlice, ("allocation", "gpu", "slot", "active"),
                   [(allocation_id, gpu.pk, slot, True) for allocation_id, picks in zip(allocation_ids, slices)
-                   for gpu, slots in picks for slot in slots])
+                   for gpu, slots in picks for slot in slots], integers=True)
     changed = [(epochs[pk], pk) for pk in nodes if epochs[pk] != nodes[pk].epoch]  # never empty: a job was placed
-    with connection.cursor() as cursor:  # bulk_update's CASE WHEN per node took 0.1 s a chunk
-        cursor.executemany(f"UPDATE {connection.ops.quote_name(Node._meta.db_table)} SET "
-                           f"{connection.ops.quote_name(Node._meta.get_field('epoch').column)} = %s WHERE id = %s", changed)
+    rows_update(Node, ["epoch"], changed)  # bulk_update's CASE WHEN per node took 0.1 s a chunk
     for epoch, pk in changed:
         nodes[pk].epoch = epoch
     updated = Job.objects.filter(pk__in=placed, state=JobState.PENDING).update(
@@ -180,10 +184,11 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
     result.placed.extend(placed)
 
 
-def _held_slots(node_ids: list[int]) -> dict[int, set[int]]:
-    """GPU id -> slots active allocations hold on these nodes."""
+def _held_slots(gpu_ids: set[int]) -> dict[int, set[int]]:
+    """GPU id -> slots active allocations hold on these GPUs: only the GPUs a chunk asks for, not every
+    GPU of its nodes (a full cluster holds tens of thousands of slots, and each chunk read them all)."""
     taken: dict[int, set[int]] = defaultdict(set)
-    for gpu_id, slot in AllocationSlice.objects.filter(gpu__node_id__in=node_ids, active=True).values_list(
+    for gpu_id, slot in AllocationSlice.objects.filter(gpu_id__in=gpu_ids, active=True).values_list(
             "gpu_id", "slot"):
         taken[gpu_id].add(slot)
     return taken
@@ -231,18 +236,14 @@ def pending_reasons_set(*, reasons: dict[int, tuple[str, str, dict[str, Any]]]) 
     """Record why each pending job waits, writing only what changed; an event only when the code
     changed. Returns how many rows were written.
 
-    Plain statements, no model instances: the jobs' three columns by one executemany (bulk_update's CASE
+    Plain statements, no model instances: the jobs' three columns by `rows_update` (bulk_update's CASE
     WHEN per job and field took longest), the events as field rows. On SQLite each chunk holds the one
     write lock that every submission waits for, so chunks are small there (REASON_CHUNK)."""
     written = 0
     ids = sorted(reasons)
     size = REASON_CHUNK.get(connection.vendor, REASON_CHUNK_DEFAULT)
-    meta = Job._meta
-    quote = connection.ops.quote_name
-    columns = [meta.get_field(name) for name in ("pending_reason_code", "pending_reason", "pending_reason_data")]
-    update = (f"UPDATE {quote(meta.db_table)} SET " + ", ".join(f"{quote(f.column)} = %s" for f in columns)
-              + f" WHERE {quote(meta.pk.column)} = %s")
-    data_field = columns[2]
+    columns = ("pending_reason_code", "pending_reason", "pending_reason_data")
+    data_field = Job._meta.get_field("pending_reason_data")
     for start in range(0, len(ids), size):
         part = ids[start:start + size]
         with transaction.atomic():
@@ -263,8 +264,7 @@ def pending_reasons_set(*, reasons: dict[int, tuple[str, str, dict[str, Any]]]) 
                     events.append({"job_id": pk, "kind": "pending_reason", "reason_code": code, "message": message,
                                    "data": data})
                 rows.append((code, message, data_field.get_db_prep_save(data, connection), pk))
-            with connection.cursor() as cursor:
-                cursor.executemany(update, rows)
+            rows_update(Job, columns, rows)
             fields_insert(JobEvent, events)
             written += len(rows)
     return written

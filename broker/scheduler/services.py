@@ -28,7 +28,7 @@ from django.utils import timezone
 from broker.inventory.models import OWNED_POOL_KINDS, Gpu, Node
 from broker.inventory.selectors import pool_team_ids, scheduling_component, scheduling_components
 from broker.jobs.checkpoints import committed_checkpoint
-from broker.jobs.batch import JobRef, pending_reasons_set, placements_commit
+from broker.jobs.batch import NODE_JSON, JobRef, pending_reasons_set, placements_commit
 from broker.jobs.migration import migration_request, open_migration
 from broker.jobs.models import Job, MigrationCause
 from broker.jobs.services import GpuRequest, JobError, job_set_pending_reason, job_transition
@@ -42,6 +42,7 @@ from broker.scheduler.snapshot import component_snapshot
 from broker.tenancy.models import CU_FLAVOR, TeamQuota, Tenant
 from broker.tenancy.services import fair_share_usage_due, fair_share_usage_update
 from scheduling import model as sm
+from scheduling.collector import fewer_collections
 from scheduling.engine import schedule
 from scheduling.moves import MoveRules, cycle_wanted, move_policy
 
@@ -130,47 +131,55 @@ def scheduling_cycle_run(*, tenant: Tenant, policy: sm.Policy = BROKER_POLICY) -
     if cycle_number is None:
         return CycleOutcome(ran=False)
     try:
-        # Every cycle, wanted or not, once a step has passed: the decay must follow the clock, not the
-        # cycles that placed something (the held GPUs at each update stand for the step since the last).
-        if fair_share_usage_due(tenants=component):
-            fair_share_usage_update(tenants=component)
-        if not _cycle_wanted(tenants=component, policy=policy):
-            return CycleOutcome(ran=True)
-        clock = time.perf_counter()
-        digest = cycle_inputs_digest(tenant_ids=[t.pk for t in component])
-        # Only a queue is not decided again: a cycle with nothing pending is a consolidation cycle, due by
-        # the clock (scheduling.moves.cycle_wanted), and what it looks at changes with time alone.
-        queued = Job.objects.filter(tenant__in=component, state=JobState.PENDING).exists()
-        if queued and _unchanged_since_last_decision(lease_tenant, digest):
-            return CycleOutcome(ran=True, unchanged=True, phases={
-                "snapshot": time.perf_counter() - clock, "solve": 0.0, "commit": 0.0, "reasons": 0.0})
-        offers, offer_index = cloud_offers(tenants=component)
-        snapshot = component_snapshot(tenants=component, seed=cycle_number, offers=offers,
-                                      launch_limits=pool_launch_limits(tenants=component))
-        read = time.perf_counter()
-        plan = schedule(snapshot, policy)
-        solved = time.perf_counter()
-        outcome = plan_commit(tenant=tenant, plan=plan, offer_index=offer_index, tenants=component)
-        done = time.perf_counter()
-        outcome.phases = {"snapshot": read - clock, "solve": solved - read,
-                          "commit": done - solved - outcome.phases.get("reasons", 0.0),
-                          "reasons": outcome.phases.get("reasons", 0.0)}
-        teams = f"teams {', '.join(t.slug for t in component)}; " if len(component) > 1 else ""
-        # One record per cycle (not per team): /metrics counts cycles and their solve times from these.
-        CycleRecord.objects.create(
-            tenant=lease_tenant, pending_jobs=len(snapshot.pending), placed_jobs=len(outcome.placed),
-            preempted_jobs=len(outcome.preempted), conflicts=len(outcome.conflicts), method=plan.solver.method,
-            proven_optimal=plan.solver.proven_optimal, solve_seconds=plan.solver.solve_seconds,
-            objective=plan.solver.objective, note=(teams + "; ".join(outcome.conflicts))[:2000],
-            phases={name: round(seconds, 6) for name, seconds in outcome.phases.items()},
-        )
-        # Remembered only when the cycle changed nothing: then the same inputs would decide the same again.
-        idle = not (outcome.placed or outcome.preempted or outcome.moved or outcome.launched or outcome.conflicts)
-        CycleLease.objects.filter(tenant=lease_tenant, holder=holder).update(
-            inputs_digest=digest if idle else "", decided_at=timezone.now())
-        return outcome
+        with fewer_collections():  # scheduling/collector.py: the snapshot's and the commit's rows live until it ends
+            return _cycle_run(tenant=tenant, policy=policy, component=component, lease_tenant=lease_tenant,
+                              holder=holder, cycle_number=cycle_number)
     finally:
         _lease_release(lease_tenant, holder)
+
+
+def _cycle_run(*, tenant: Tenant, policy: sm.Policy, component: list[Tenant], lease_tenant: Tenant, holder: str,
+               cycle_number: int) -> CycleOutcome:
+    """The cycle under its component's lease."""
+    # Every cycle, wanted or not, once a step has passed: the decay must follow the clock, not the
+    # cycles that placed something (the held GPUs at each update stand for the step since the last).
+    if fair_share_usage_due(tenants=component):
+        fair_share_usage_update(tenants=component)
+    if not _cycle_wanted(tenants=component, policy=policy):
+        return CycleOutcome(ran=True)
+    clock = time.perf_counter()
+    digest = cycle_inputs_digest(tenant_ids=[t.pk for t in component])
+    # Only a queue is not decided again: a cycle with nothing pending is a consolidation cycle, due by
+    # the clock (scheduling.moves.cycle_wanted), and what it looks at changes with time alone.
+    queued = Job.objects.filter(tenant__in=component, state=JobState.PENDING).exists()
+    if queued and _unchanged_since_last_decision(lease_tenant, digest):
+        return CycleOutcome(ran=True, unchanged=True, phases={
+            "snapshot": time.perf_counter() - clock, "solve": 0.0, "commit": 0.0, "reasons": 0.0})
+    offers, offer_index = cloud_offers(tenants=component)
+    snapshot = component_snapshot(tenants=component, seed=cycle_number, offers=offers,
+                                  launch_limits=pool_launch_limits(tenants=component))
+    read = time.perf_counter()
+    plan = schedule(snapshot, policy)
+    solved = time.perf_counter()
+    outcome = plan_commit(tenant=tenant, plan=plan, offer_index=offer_index, tenants=component)
+    done = time.perf_counter()
+    outcome.phases = {"snapshot": read - clock, "solve": solved - read,
+                      "commit": done - solved - outcome.phases.get("reasons", 0.0),
+                      "reasons": outcome.phases.get("reasons", 0.0)}
+    teams = f"teams {', '.join(t.slug for t in component)}; " if len(component) > 1 else ""
+    # One record per cycle (not per team): /metrics counts cycles and their solve times from these.
+    CycleRecord.objects.create(
+        tenant=lease_tenant, pending_jobs=len(snapshot.pending), placed_jobs=len(outcome.placed),
+        preempted_jobs=len(outcome.preempted), conflicts=len(outcome.conflicts), method=plan.solver.method,
+        proven_optimal=plan.solver.proven_optimal, solve_seconds=plan.solver.solve_seconds,
+        objective=plan.solver.objective, note=(teams + "; ".join(outcome.conflicts))[:2000],
+        phases={name: round(seconds, 6) for name, seconds in outcome.phases.items()},
+    )
+    # Remembered only when the cycle changed nothing: then the same inputs would decide the same again.
+    idle = not (outcome.placed or outcome.preempted or outcome.moved or outcome.launched or outcome.conflicts)
+    CycleLease.objects.filter(tenant=lease_tenant, holder=holder).update(
+        inputs_digest=digest if idle else "", decided_at=timezone.now())
+    return outcome
 
 
 def cycle_refresh_seconds() -> float:
@@ -228,7 +237,7 @@ def plan_commit(*, tenant: Tenant, plan: sm.Plan, offer_index: dict[str, OfferRe
     # The JSON columns none of these read are left to load on first use.
     jobs = {str(j.pk): j for j in Job.objects.filter(tenant_id__in=tenant_ids, pk__in=_acted_on_ids(plan))
             .select_related("tenant").defer("spec", "secret_env", "pending_reason_data", "gpu_alternatives")}
-    nodes = {str(n.pk): n for n in Node.objects.filter(tenant_id__in=tenant_ids)}
+    nodes = {str(n.pk): n for n in Node.objects.filter(tenant_id__in=tenant_ids).defer(*NODE_JSON)}
     access = pool_team_ids({n.pool_id for n in nodes.values()}
                            | {ref.pool.pk for ref in (offer_index or {}).values()})
 

@@ -139,3 +139,46 @@ def test_a_billing_failure_leaves_the_placements_and_the_metering_run_prices_the
     assert not AllocationMeter.objects.filter(allocation__job__in=jobs).exists()
     assert billing.rates_fix(now=timezone.now()) == 2
     assert AllocationMeter.objects.filter(allocation__job__in=jobs).count() == 2
+
+
+def test_slot_rows_keep_their_gpu_and_allocation_without_database_keys(acme):
+    # The slot table's keys are not database constraints (broker/jobs/models.py, AllocationSlice): the ORM
+    # still refuses to delete a GPU whose slots a job holds, and deleting an allocation takes its slots.
+    from django.db.models import ProtectedError
+
+    import pytest
+
+    node = acme.nodes[0]
+    job = submit(acme, name="held")
+    result = placements_commit(items=[(job, [GpuRequest(node=node, gpu_indices=(0,), milli=500)])])
+    assert result.placed == [job.pk]
+    gpu = node.gpus.get(index=0)
+    with pytest.raises(ProtectedError):
+        gpu.delete()
+    assert gpu.slices.filter(active=True).count() == 5
+    Allocation.objects.filter(job=job).delete()
+    assert AllocationSlice.objects.filter(gpu=gpu).count() == 0
+
+
+def test_rows_update_gives_each_row_its_own_values_across_statements(acme, monkeypatch):
+    # Several statements of a few rows each (PostgreSQL joins each to a VALUES list; SQLite runs one
+    # statement per row): every job gets its own code, message and JSON, nothing else changes.
+    import broker.rows as rows
+    from broker.rows import rows_update
+
+    monkeypatch.setattr(rows, "ROWS_PER_UPDATE", 2)
+    jobs = [submit(acme, name=f"u{i}") for i in range(5)]
+    untouched = submit(acme, name="untouched")
+    data = Job._meta.get_field("pending_reason_data")
+    from django.db import connection
+
+    rows_update(Job, ("pending_reason_code", "pending_reason", "pending_reason_data"),
+                [(f"CODE{i}", f"reason {i}", data.get_db_prep_save({"i": i, "nested": [i]}, connection), job.pk)
+                 for i, job in enumerate(jobs)])
+    for i, job in enumerate(jobs):
+        job.refresh_from_db()
+        assert (job.pending_reason_code, job.pending_reason, job.pending_reason_data) == (
+            f"CODE{i}", f"reason {i}", {"i": i, "nested": [i]})
+    before = untouched.pending_reason
+    untouched.refresh_from_db()
+    assert untouched.pending_reason == before and untouched.pending_reason_code != "CODE0"
