@@ -112,16 +112,21 @@ LOOKAHEAD_POWERS = fgd.LOOKAHEAD_POWERS
 
 
 def node_cost_batch(gpu_free, cpu_free, models: list[str], workload: fgd.Workload | None, mem_free=None):
-    """Fragmentation measure in GPUs for N node states: (N, G) free milli, (N,) free CPU, GPU model;
-    less HOME_WEIGHT x the scarce capacity they offer (`fragmentation.home_value_batch`) when the
-    workload carries scarce homes and free memory (N,) is given."""
+    """Fragmentation measure in GPUs for N node states: (N, G) free milli, (N,) free CPU, GPU model,
+    (N,) free memory when given (a class needing more memory than is free uses none of the node's
+    GPUs); less HOME_WEIGHT x the scarce capacity they offer (`fragmentation.home_value_batch`)
+    when the workload carries scarce homes and free memory is given."""
     import numpy as np
 
     gpu_free = np.asarray(gpu_free, dtype=np.int64)
     if workload is None or gpu_free.size == 0:
         return np.zeros(len(gpu_free))
     access = workload.model_access(models)
-    cost = fgd.horizons_fragmentation_batch(gpu_free, cpu_free, workload, None, access, LOOKAHEAD_POWERS)
+    # Free memory too, as whalezen-online's measure: a class the node's memory can no longer take
+    # cannot use its free GPUs. Without it only the stranding term saw memory; share list, seeds
+    # 42-44 at 130%: 759.7 -> 756.9 GPUs unallocated, 760.8 -> 759.8 in one session (about a
+    # seed's noise, no seed worse; bench/README.md section 1).
+    cost = fgd.horizons_fragmentation_batch(gpu_free, cpu_free, workload, mem_free, access, LOOKAHEAD_POWERS)
     homes = getattr(workload, "homes", None)
     if homes is not None and mem_free is not None:
         cost = cost - HOME_WEIGHT * fgd.home_value_batch(gpu_free, cpu_free, mem_free, homes,
