@@ -35,7 +35,7 @@ from scheduling.sim.registry import ONLINE_POLICIES, make_policy
 from scheduling.sim.upper_bound import allocation_upper_bound
 
 # WhaleZen as the broker runs it: a cycle of scheduling.engine.schedule every N arrivals on a full
-# snapshot, its placements and defragmentation moves applied (about 100 s per seed).
+# snapshot, its placements and defragmentation moves applied (100 s per seed on 2026-11-29; 200-215 s on the share list on 2026-12-04).
 BROKER = "whalezen-broker"
 # The same cycles decided by the whalezen-online score in the simulator's arrays (seconds per
 # seed): a quick stand-in, not the engine.
