@@ -100,6 +100,10 @@ def fields_insert(model: type[models.Model], rows: list[dict[str, Any]], *, with
     return ids
 
 
+# Rows per statement of rows_update on PostgreSQL: a chunk of the cycle's writes in one statement.
+ROWS_PER_UPDATE = 1000
+
+
 def rows_update(model: type[models.Model], fields: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """`UPDATE model SET fields = values WHERE pk = key` for many rows, each (values..., key) with the
     values already prepared for the database (`get_db_prep_save`). On PostgreSQL one statement per
@@ -125,9 +129,6 @@ def rows_update(model: type[models.Model], fields: Sequence[str], rows: Sequence
             cursor.execute(f"UPDATE {table} SET {sets} FROM (VALUES {', '.join([marks] * len(part))}) "
                            f"AS v({', '.join(names)}, k) WHERE {table}.{key} = v.k",
                            [value for row in part for value in row])
-
-
-ROWS_PER_UPDATE = 1000
 
 
 def row_update(model: type[models.Model], values: dict[str, Any], where: dict[str, Any], *,

@@ -373,14 +373,16 @@ class StrandingCheck:
         self.cpu_ratio, self.mem_ratio, self.gpu_milli = cpu_ratio, mem_ratio, part_gpu_milli
 
     def possible(self, part: PartDemand) -> bool:
-        used = self.gpu_milli(part)
+        return self._beyond_ratios(part, self.gpu_milli(part))
+
+    def _beyond_ratios(self, part: PartDemand, used: float) -> bool:
         return (self.cpu_ratio > 0 and part.cpu_milli > used * self.cpu_ratio) or \
             (self.mem_ratio > 0 and part.memory_mb > used * self.mem_ratio)
 
     def __call__(self, cap: NodeCapacity, part: PartDemand) -> bool:
-        if not self.possible(part):
-            return False
         used, cpu_ratio, mem_ratio = self.gpu_milli(part), self.cpu_ratio, self.mem_ratio
+        if not self._beyond_ratios(part, used):
+            return False
         # Stranded before: max(0, now_c, now_m); after: each term grows by what the part
         # asks beyond the ratio, so it strands more iff an after-term exceeds the before.
         total = sum(cap.free_milli)

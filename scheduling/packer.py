@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI
 
+
 class Stranding(Protocol):
     """Would a part raise a node's CPU/memory-stranded GPUs (`book.StrandingCheck`)."""
 

@@ -2,10 +2,16 @@
 for many jobs at once, and pending reasons written only when they change."""
 from __future__ import annotations
 
+import pytest
+from django.db import connection
+from django.db.models import ProtectedError
+
+import broker.rows as rows
 from broker.jobs.batch import pending_reasons_set, placements_commit
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
 from broker.jobs.services import GpuRequest, allocation_commit, job_cancel
 from broker.jobs.states import JobState
+from broker.rows import rows_update
 from broker.tenancy.models import Quota
 
 from .test_api_tenancy import submit
@@ -144,10 +150,6 @@ def test_a_billing_failure_leaves_the_placements_and_the_metering_run_prices_the
 def test_slot_rows_keep_their_gpu_and_allocation_without_database_keys(acme):
     # The slot table's keys are not database constraints (broker/jobs/models.py, AllocationSlice): the ORM
     # still refuses to delete a GPU whose slots a job holds, and deleting an allocation takes its slots.
-    from django.db.models import ProtectedError
-
-    import pytest
-
     node = acme.nodes[0]
     job = submit(acme, name="held")
     result = placements_commit(items=[(job, [GpuRequest(node=node, gpu_indices=(0,), milli=500)])])
@@ -163,15 +165,10 @@ def test_slot_rows_keep_their_gpu_and_allocation_without_database_keys(acme):
 def test_rows_update_gives_each_row_its_own_values_across_statements(acme, monkeypatch):
     # Several statements of a few rows each (PostgreSQL joins each to a VALUES list; SQLite runs one
     # statement per row): every job gets its own code, message and JSON, nothing else changes.
-    import broker.rows as rows
-    from broker.rows import rows_update
-
     monkeypatch.setattr(rows, "ROWS_PER_UPDATE", 2)
     jobs = [submit(acme, name=f"u{i}") for i in range(5)]
     untouched = submit(acme, name="untouched")
     data = Job._meta.get_field("pending_reason_data")
-    from django.db import connection
-
     rows_update(Job, ("pending_reason_code", "pending_reason", "pending_reason_data"),
                 [(f"CODE{i}", f"reason {i}", data.get_db_prep_save({"i": i, "nested": [i]}, connection), job.pk)
                  for i, job in enumerate(jobs)])
