@@ -139,7 +139,7 @@ class GpuSerializer(serializers.ModelSerializer):
 
     def get_in_use(self, gpu: Gpu) -> float:
         """Share of the GPU held by allocations, 0..1."""
-        return round(len(self._active(gpu)) / Gpu.SLOTS, 3)
+        return round(sum(piece.slots for piece in self._active(gpu)) / Gpu.SLOTS, 3)
 
     @extend_schema_field(GpuHolderSerializer(many=True))
     def get_held_by(self, gpu: Gpu) -> list[dict]:
@@ -149,9 +149,9 @@ class GpuSerializer(serializers.ModelSerializer):
         for piece in self._active(gpu):
             job = piece.allocation.job
             if job.tenant_id == caller:
-                own[job.pk] += 1
+                own[job.pk] += piece.slots
             else:
-                others += 1
+                others += piece.slots
         held = [{"job": job_id, "share": round(slots / Gpu.SLOTS, 3), "holder": "your team"}
                 for job_id, slots in sorted(own.items())]
         if others:

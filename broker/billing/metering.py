@@ -193,7 +193,7 @@ def _gpu_model(alloc: Allocation) -> str:
 
 
 def _held_slots(alloc: Allocation) -> int:
-    return len(alloc.slices.all())
+    return sum(piece.slots for piece in alloc.slices.all())
 
 
 def _pool_label(pool) -> str:
@@ -290,7 +290,7 @@ def instance_idle_lines(instance: CloudInstance, *, until: datetime, tenant_id: 
         for alloc in Allocation.objects.filter(node_id=instance.node_id).prefetch_related("slices"):
             a = _secs(alloc.created_at)
             b = _secs(alloc.released_at) if alloc.released_at else until_s
-            held.append((a, b, len(alloc.slices.all())))
+            held.append((a, b, sum(piece.slots for piece in alloc.slices.all())))
     rate = instance_rate(instance)
     pool = instance.pool
     offer = instance.offer or {}

@@ -75,7 +75,7 @@ def rates_fix(*, now: datetime, allocation_ids: list[int] | None = None) -> int:
     first_gpu: dict[int, int] = {}
     slices = AllocationSlice.objects.filter(allocation_id__in=ids).order_by("allocation_id", "id")
     if connection.vendor == "postgresql":
-        slices = slices.distinct("allocation_id")  # one row per allocation, not ten per GPU it holds
+        slices = slices.distinct("allocation_id")  # one row per allocation, not one per GPU it holds
     for allocation_id, gpu_id in slices.values_list("allocation_id", "gpu_id"):
         first_gpu.setdefault(allocation_id, gpu_id)
     gpu_model = dict(Gpu.objects.filter(pk__in=set(first_gpu.values()))

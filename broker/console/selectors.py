@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from datetime import datetime
 
-from django.db.models import Count
+from django.db.models import Count, Sum
 from django.utils import timezone
 
 from broker.billing.selectors import month_to_date_spend
@@ -19,10 +19,10 @@ from broker.tenancy.models import Tenant
 def gpus_in_use(*, tenant: Tenant) -> list[dict]:
     """The team's GPUs in use now, by GPU model and pool: whole-GPU equivalents held by its jobs."""
     rows = (AllocationSlice.objects.filter(active=True, allocation__job__tenant=tenant)
-            .values("gpu__model_name", "gpu__node__pool__name").annotate(slots=Count("id"))
+            .values("gpu__model_name", "gpu__node__pool__name").annotate(held=Sum("slots"))
             .order_by("gpu__node__pool__name", "gpu__model_name"))
     return [{"model": r["gpu__model_name"], "pool": r["gpu__node__pool__name"],
-             "gpus": round(r["slots"] / Gpu.SLOTS, 2)} for r in rows]
+             "gpus": round(r["held"] / Gpu.SLOTS, 2)} for r in rows]
 
 
 def pending_by_reason(*, tenant: Tenant) -> list[dict]:

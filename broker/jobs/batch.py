@@ -162,11 +162,12 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
     # COPY with ids drawn first (broker/rows.py): bulk_create's compiled INSERT and its RETURNING were
     # most of what was left of a 5,000-placement commit.
     allocation_ids = fields_insert(Allocation, allocations, with_ids=True)
-    # Ten slot rows per whole GPU (about 50,000 for 5,000 placements) as plain tuples.
-    # The partial unique constraint still refuses a slot held twice (IntegrityError: the chunk rolls back).
-    values_insert(AllocationSlice, ("allocation", "gpu", "slot", "active"),
-                  [(allocation_id, gpu.pk, slot, True) for allocation_id, picks in zip(allocation_ids, slices)
-                   for gpu, slots in picks for slot in slots], integers=True)
+    # One row per (allocation, GPU), its slots as a mask, as plain tuples. The partial unique indexes still
+    # refuse a slot held twice (IntegrityError: the chunk rolls back).
+    mask_of = AllocationSlice.mask_of
+    values_insert(AllocationSlice, ("allocation", "gpu", "mask", "slots", "active"),
+                  [(allocation_id, gpu.pk, mask_of(slots), len(slots), True)
+                   for allocation_id, picks in zip(allocation_ids, slices) for gpu, slots in picks], integers=True)
     changed = [(epochs[pk], pk) for pk in nodes if epochs[pk] != nodes[pk].epoch]  # never empty: a job was placed
     rows_update(Node, ["epoch"], changed)  # bulk_update's CASE WHEN per node took 0.1 s a chunk
     for epoch, pk in changed:
@@ -188,9 +189,8 @@ def _held_slots(gpu_ids: set[int]) -> dict[int, set[int]]:
     """GPU id -> slots active allocations hold on these GPUs: only the GPUs a chunk asks for, not every
     GPU of its nodes (a full cluster holds tens of thousands of slots, and each chunk read them all)."""
     taken: dict[int, set[int]] = defaultdict(set)
-    for gpu_id, slot in AllocationSlice.objects.filter(gpu_id__in=gpu_ids, active=True).values_list(
-            "gpu_id", "slot"):
-        taken[gpu_id].add(slot)
+    for gpu_id, mask in AllocationSlice.objects.filter(gpu_id__in=gpu_ids, active=True).values_list("gpu_id", "mask"):
+        taken[gpu_id].update(AllocationSlice.slots_of(mask))
     return taken
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import Count, QuerySet, Sum
+from django.db.models import DecimalField, F, QuerySet, Sum
 
 from broker.inventory.models import GpuModel
 from broker.jobs.models import AllocationSlice, Job
@@ -27,8 +27,8 @@ class HeldShare:
 def held_share(**filters: Any) -> HeldShare:
     """The share held by the active slots matching `filters` (e.g. `allocation__job=job`)."""
     usage = AllocationSlice.objects.filter(active=True, **filters).aggregate(
-        slots=Count("id"), cu=Sum("gpu__model__compute_units"))
-    return HeldShare(slots=usage["slots"] or 0, cu_slots=usage["cu"] or Decimal(0))
+        held=Sum("slots"), cu=Sum(F("slots") * F("gpu__model__compute_units"), output_field=DecimalField()))
+    return HeldShare(slots=usage["held"] or 0, cu_slots=usage["cu"] or Decimal(0))
 
 
 def tenant_held_share(*, tenant_id: int) -> HeldShare:

@@ -243,11 +243,13 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
                 slot_count = Gpu.slots_for(req.milli)
                 slices = []
                 for gpu in gpus:
-                    taken = set(AllocationSlice.objects.filter(gpu=gpu, active=True).values_list("slot", flat=True))
+                    taken = {slot for mask in AllocationSlice.objects.filter(gpu=gpu, active=True)
+                             .values_list("mask", flat=True) for slot in AllocationSlice.slots_of(mask)}
                     free = [s for s in range(Gpu.SLOTS) if s not in taken]
                     if len(free) < slot_count:
                         raise DoubleBooking(f"GPU {gpu.index} on {node.name} does not have the share requested free.")
-                    slices += [AllocationSlice(allocation=alloc, gpu=gpu, slot=s) for s in free[:slot_count]]
+                    slices.append(AllocationSlice(allocation=alloc, gpu=gpu, mask=AllocationSlice.mask_of(
+                        free[:slot_count]), slots=slot_count))
                 AllocationSlice.objects.bulk_create(slices)
                 allocations.append(alloc)
             job_transition(job=job, to=to_state, expected=expected_state, reason_code="PLACED",

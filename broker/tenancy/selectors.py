@@ -5,7 +5,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from django.db.models import Count, Sum
+from django.db.models import DecimalField, F, Sum
 
 from broker.tenancy.models import CU_FLAVOR, FairShareUsage, TeamQuota, Tenant
 
@@ -22,10 +22,11 @@ def owned_holdings(*, tenant_ids: Sequence[int]) -> dict[tuple[int, str], float]
                                            allocation__job__state__in=ACTIVE_STATES,
                                            gpu__node__pool__kind__in=OWNED_POOL_KINDS)
             .values("allocation__job__tenant_id", "gpu__model__name", "gpu__model_name")
-            .annotate(slots=Count("id"), cu=Sum("gpu__model__compute_units")))
+            .annotate(held=Sum("slots"),
+                      cu=Sum(F("slots") * F("gpu__model__compute_units"), output_field=DecimalField())))
     for row in rows:
         tenant_id = row["allocation__job__tenant_id"]
-        held[tenant_id, row["gpu__model__name"] or row["gpu__model_name"]] += row["slots"] / Gpu.SLOTS
+        held[tenant_id, row["gpu__model__name"] or row["gpu__model_name"]] += row["held"] / Gpu.SLOTS
         held[tenant_id, CU_FLAVOR] += float(row["cu"] or 0) / Gpu.SLOTS
     return held
 

@@ -6,6 +6,7 @@ import threading
 import pytest
 from django.db import IntegrityError, close_old_connections, connection, transaction
 
+from broker.inventory.models import Gpu
 from broker.jobs.models import Allocation, AllocationSlice, Job
 from broker.jobs import services
 from broker.jobs.services import DoubleBooking, GpuRequest, JobError, allocation_commit, job_cancel
@@ -141,30 +142,48 @@ def test_two_commits_on_different_nodes_cannot_both_pass_the_gpu_quota(acme, mon
         "gpu").distinct().count() == 1
 
 
-def _slice_on(acme, *, gpu_index: int, slot: int, active: bool = True) -> AllocationSlice:
+def _slice_on(acme, *, gpu_index: int, slots: tuple[int, ...], active: bool = True) -> AllocationSlice:
     """A slot row written straight through the ORM: no service, no lock, no check of ours in the way."""
     node = acme.nodes[0]
-    job = submit(acme, name=f"raw-{gpu_index}-{slot}-{AllocationSlice.objects.count()}")
+    job = submit(acme, name=f"raw-{gpu_index}-{AllocationSlice.mask_of(slots)}-{AllocationSlice.objects.count()}")
     alloc = Allocation.objects.create(job=job, node=node, epoch=node.epoch)
-    return AllocationSlice.objects.create(allocation=alloc, gpu=node.gpus.get(index=gpu_index), slot=slot,
-                                          active=active)
+    return AllocationSlice.objects.create(allocation=alloc, gpu=node.gpus.get(index=gpu_index),
+                                          mask=AllocationSlice.mask_of(slots), slots=len(slots), active=active)
 
 
-def test_the_database_itself_refuses_a_second_active_holder_of_a_slot(acme):
-    """The promise is the database's (partial unique index), not the service's: bypass the service."""
-    _slice_on(acme, gpu_index=0, slot=3)
+def _holders(acme, gpu_index: int) -> list[int]:
+    return sorted(AllocationSlice.objects.filter(gpu__node=acme.nodes[0], gpu__index=gpu_index, active=True)
+                  .values_list("mask", flat=True))
+
+
+@pytest.mark.parametrize("first, second", [((3,), (3,)), (tuple(range(Gpu.SLOTS)), (3,)),
+                                           ((2, 3), tuple(range(Gpu.SLOTS))), ((0, 9), (5, 9))])
+def test_the_database_itself_refuses_a_second_active_holder_of_a_slot(acme, first, second):
+    """The promise is the database's (one partial unique index per slot), not the service's: bypass the
+    service. A whole GPU is one row holding every slot: a share of any slot of it is refused too."""
+    _slice_on(acme, gpu_index=0, slots=first)
     with pytest.raises(IntegrityError), transaction.atomic():
-        _slice_on(acme, gpu_index=0, slot=3)
-    assert AllocationSlice.objects.filter(gpu__node=acme.nodes[0], gpu__index=0, slot=3, active=True).count() == 1
+        _slice_on(acme, gpu_index=0, slots=second)
+    assert _holders(acme, 0) == [AllocationSlice.mask_of(first)]
+
+
+@pytest.mark.parametrize("mask", [0, 1 << Gpu.SLOTS, (1 << Gpu.SLOTS) | 1])
+def test_a_row_holds_some_slot_and_only_slots_the_indexes_guard(acme, mask):
+    node = acme.nodes[0]
+    alloc = Allocation.objects.create(job=submit(acme, name=f"raw-{mask}"), node=node, epoch=node.epoch)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        AllocationSlice.objects.create(allocation=alloc, gpu=node.gpus.get(index=0), mask=mask, slots=1)
+    assert not AllocationSlice.objects.exists()
 
 
 def test_the_unique_index_is_partial_released_slots_do_not_block(acme):
-    _slice_on(acme, gpu_index=1, slot=0, active=False)
-    _slice_on(acme, gpu_index=1, slot=0, active=False)  # released twice over: history, not holders
-    _slice_on(acme, gpu_index=1, slot=0)  # and the slot can be held again
-    _slice_on(acme, gpu_index=1, slot=1)  # another slot of the same GPU is another holder
-    _slice_on(acme, gpu_index=2, slot=0)  # the same slot of another GPU too
-    assert AllocationSlice.objects.filter(gpu__node=acme.nodes[0], active=True).count() == 3
+    everything = tuple(range(Gpu.SLOTS))
+    _slice_on(acme, gpu_index=1, slots=everything, active=False)
+    _slice_on(acme, gpu_index=1, slots=(0,), active=False)  # released twice over: history, not holders
+    _slice_on(acme, gpu_index=1, slots=(0, 4))  # and the slots can be held again
+    _slice_on(acme, gpu_index=1, slots=(1, 2, 3))  # other slots of the same GPU are another holder
+    _slice_on(acme, gpu_index=2, slots=everything)  # the same slots of another GPU too
+    assert _holders(acme, 1) == [0b1110, 0b10001] and _holders(acme, 2) == [2 ** Gpu.SLOTS - 1]
 
 
 def _half(acme, name: str) -> Job:

@@ -79,5 +79,6 @@ def test_plain_rows_are_committed_one_by_one_when_the_constraint_refuses_their_c
     assert set(result.refused) == {clash.pk, gone.pk} and "deleted" in result.refused[gone.pk]
     clash.refresh_from_db()
     assert clash.state == JobState.PENDING
-    assert AllocationSlice.objects.filter(gpu__node=node, gpu__index=0, active=True).count() == 10
+    assert list(AllocationSlice.objects.filter(gpu__node=node, gpu__index=0, active=True)
+                .values_list("allocation__job", "slots")) == [(holder.pk, 10)]
     assert Job.objects.get(pk=fine.pk).state == JobState.PLACED

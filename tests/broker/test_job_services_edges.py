@@ -132,7 +132,7 @@ def test_losing_the_race_for_a_slot_at_insert_is_a_double_booking_on_gpus(acme, 
 
     def racing_bulk_create(objs, *args, **kwargs):
         objs = list(objs)
-        manager.create(allocation=rival_alloc, gpu=objs[0].gpu, slot=objs[0].slot)  # the rival's commit
+        manager.create(allocation=rival_alloc, gpu=objs[0].gpu, mask=objs[0].mask, slots=objs[0].slots)  # the rival's
         return real_bulk_create(objs, *args, **kwargs)
 
     monkeypatch.setattr(manager, "bulk_create", racing_bulk_create)
@@ -208,8 +208,9 @@ def test_a_placement_is_logged_with_where_it_went_and_moves_the_nodes_epoch_on(a
     (alloc,) = allocation_commit(job=job, requests=[GpuRequest(node=node, gpu_indices=(0, 1))])
     node.refresh_from_db()
     assert node.epoch == epoch + 1 and alloc.epoch == node.epoch
-    held = list(AllocationSlice.objects.filter(allocation=alloc).values_list("gpu__index", flat=True))
-    assert sorted(held) == [0] * Gpu.SLOTS + [1] * Gpu.SLOTS, "every slot of GPUs 0 and 1"
+    held = list(AllocationSlice.objects.filter(allocation=alloc).values_list("gpu__index", "mask", "slots"))
+    assert sorted(held) == [(0, 2 ** Gpu.SLOTS - 1, Gpu.SLOTS), (1, 2 ** Gpu.SLOTS - 1, Gpu.SLOTS)], \
+        "every slot of GPUs 0 and 1"
     event = JobEvent.objects.filter(job=job, kind="state").latest("id")
     assert (event.reason_code, event.message) == ("PLACED", f"Placed on {node.name}[0,1]")
     assert event.data == {"from": "PENDING", "to": "PLACED",

@@ -165,5 +165,6 @@ def test_no_job_is_lost_across_redis_restarts_killed_and_concurrent_workers(acme
     assert jobs.count() == 13 and set(jobs.values_list("state", flat=True)) == {JobState.PLACED}
     for job in jobs:
         assert JobEvent.objects.filter(job=job, kind="state", data__to=JobState.PLACED).count() == 1
-    held = AllocationSlice.objects.filter(active=True).values_list("gpu_id", "slot")
+    held = [(gpu_id, slot) for gpu_id, mask in AllocationSlice.objects.filter(active=True).values_list("gpu_id", "mask")
+            for slot in AllocationSlice.slots_of(mask)]
     assert len(held) == len(set(held)) == 13 * 10, "13 whole GPUs, each slot held once"
