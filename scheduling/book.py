@@ -7,6 +7,7 @@ quotas, budgets, offer quotas and GPU capacity are checked in one place and neve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, JobDemand, Launch, Placement, PlacementPart, TenantBudget
@@ -380,15 +381,30 @@ class StrandingCheck:
             (self.mem_ratio > 0 and part.memory_mb > used * self.mem_ratio)
 
     def __call__(self, cap: NodeCapacity, part: PartDemand) -> bool:
+        return self.for_part(part)(cap)
+
+    def for_part(self, part: PartDemand) -> Callable[[NodeCapacity], bool]:
+        """The check for one part, node by node: what depends on the part alone is worked out once (the
+        packer asks it of up to a few hundred nodes per part)."""
         used, cpu_ratio, mem_ratio = self.gpu_milli(part), self.cpu_ratio, self.mem_ratio
         if not self._beyond_ratios(part, used):
-            return False
-        # Stranded before: max(0, now_c, now_m); after: each term grows by what the part
-        # asks beyond the ratio, so it strands more iff an after-term exceeds the before.
-        total = sum(cap.free_milli)
-        now_c = total - cap.free_cpu / cpu_ratio if cpu_ratio > 0 else -1.0
-        now_m = total - cap.free_mem / mem_ratio if mem_ratio > 0 else -1.0
-        before = max(0.0, now_c, now_m)
-        after_c = now_c - used + part.cpu_milli / cpu_ratio if cpu_ratio > 0 else -1.0
-        after_m = now_m - used + part.memory_mb / mem_ratio if mem_ratio > 0 else -1.0
-        return max(after_c, after_m) > before + 1e-6
+            return _never
+        cpu_term = part.cpu_milli / cpu_ratio if cpu_ratio > 0 else 0.0
+        mem_term = part.memory_mb / mem_ratio if mem_ratio > 0 else 0.0
+
+        def strands(cap: NodeCapacity) -> bool:
+            # Stranded before: max(0, now_c, now_m); after: each term grows by what the part
+            # asks beyond the ratio, so it strands more iff an after-term exceeds the before.
+            total = sum(cap.free_milli)
+            now_c = total - cap.free_cpu / cpu_ratio if cpu_ratio > 0 else -1.0
+            now_m = total - cap.free_mem / mem_ratio if mem_ratio > 0 else -1.0
+            before = max(0.0, now_c, now_m)
+            after_c = now_c - used + cpu_term if cpu_ratio > 0 else -1.0
+            after_m = now_m - used + mem_term if mem_ratio > 0 else -1.0
+            return max(after_c, after_m) > before + 1e-6
+
+        return strands
+
+
+def _never(cap: NodeCapacity) -> bool:
+    return False

@@ -88,7 +88,7 @@ def improve(problem: Problem, book: Book, original: list[NodeCapacity]) -> int:
                if job_id in problem.class_of and max(1, problem.jobs_by_id[job_id].nodes) == 1]
     # One pass prices about this many destinations; a cycle that big is left as mapped (all or
     # nothing, so that no job is favoured by its place in the order).
-    if sum(_destination_count(problem, book, scorer, job_id) for job_id in movable) > MAX_TRIALS:
+    if _destinations_exceed(problem, scorer, movable, MAX_TRIALS):
         return 0
     budget = [MAX_TRIALS]
     moves = 0
@@ -259,14 +259,26 @@ def _destinations(problem: Problem, book: Book, scorer: _Scorer, candidates: dic
                     candidate
 
 
-def _destination_count(problem: Problem, book: Book, scorer: _Scorer, job_id: str) -> int:
-    count = 0
-    for candidate in problem.classes[problem.class_of[job_id]].candidates:
-        if problem.targets[candidate.target].kind == "node":
-            count += 1 + len(scorer.changed.get(candidate.target, ()))
-        else:
-            count += len(scorer.instances.get(candidate.target, ()))
-    return count
+def _destinations_exceed(problem: Problem, scorer: _Scorer, job_ids: list[str], limit: int) -> bool:
+    """Would a pass over these jobs price more than `limit` destinations? Counted once per demand class
+    (its members have the same destinations) and only until the limit is passed: counted per job, this
+    was 4% of the engine's time in a 5,000-job cycle (profiled)."""
+    per_class: dict[int, int] = {}
+    total = 0
+    for job_id in job_ids:
+        class_index = problem.class_of[job_id]
+        if class_index not in per_class:
+            count = 0
+            for candidate in problem.classes[class_index].candidates:
+                if problem.targets[candidate.target].kind == "node":
+                    count += 1 + len(scorer.changed.get(candidate.target, ()))
+                else:
+                    count += len(scorer.instances.get(candidate.target, ()))
+            per_class[class_index] = count
+        total += per_class[class_index]
+        if total > limit:
+            return True
+    return False
 
 
 def _placement_at(problem: Problem, job: JobDemand, candidate: Candidate, cap: NodeCapacity,

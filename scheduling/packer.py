@@ -28,6 +28,9 @@ class Stranding(Protocol):
 
     def __call__(self, cap: NodeCapacity, part: PartDemand) -> bool: ...
 
+    def for_part(self, part: PartDemand) -> Callable[[NodeCapacity], bool]:
+        """`self(cap, part)` for one part, node by node."""
+
 
 # Nodes tried per bucket before moving on (CPU or memory may be short on many of them).
 LOOKAHEAD = 32
@@ -138,11 +141,12 @@ class TargetPacker:
             return self._find_cpu_only(part, exclude, levels)
         if self.strands is not None and part not in self.stranding_everywhere and self.strands.possible(part):
             # Best fit among the nodes where the gang's CPU strands no GPU (a bounded look).
+            strands = self.strands.for_part(part)
             for whole in levels:
                 for index in self.buckets[whole][:LOOKAHEAD]:
                     cap = self.caps[index]
                     if index in exclude or cap.free_cpu < part.cpu_milli or cap.free_mem < part.memory_mb \
-                            or self.strands(cap, part):
+                            or strands(cap):
                         continue
                     positions = cap.choose(part)
                     if positions is not None:
