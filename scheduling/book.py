@@ -380,9 +380,6 @@ class StrandingCheck:
         return (self.cpu_ratio > 0 and part.cpu_milli > used * self.cpu_ratio) or \
             (self.mem_ratio > 0 and part.memory_mb > used * self.mem_ratio)
 
-    def __call__(self, cap: NodeCapacity, part: PartDemand) -> bool:
-        return self.for_part(part)(cap)
-
     def for_part(self, part: PartDemand) -> Callable[[NodeCapacity], bool]:
         """The check for one part, node by node: what depends on the part alone is worked out once (the
         packer asks it of up to a few hundred nodes per part)."""

@@ -26,10 +26,8 @@ class Stranding(Protocol):
     def possible(self, part: PartDemand) -> bool:
         """False when the part strands no GPU on any node: the stranding pass is skipped."""
 
-    def __call__(self, cap: NodeCapacity, part: PartDemand) -> bool: ...
-
     def for_part(self, part: PartDemand) -> Callable[[NodeCapacity], bool]:
-        """`self(cap, part)` for one part, node by node."""
+        """For one part, node by node: would it raise the node's stranded GPUs?"""
 
 
 # Nodes tried per bucket before moving on (CPU or memory may be short on many of them).
@@ -39,7 +37,7 @@ LOOKAHEAD = 32
 class TargetPacker:
     def __init__(self, caps: list[NodeCapacity], grow: Callable[[], NodeCapacity | None] | None = None,
                  strands: Stranding | None = None) -> None:
-        # strands(cap, part): would the part raise the node's CPU/memory-stranded GPUs? Gangs
+        # strands.for_part(part)(cap): would the part raise the node's CPU/memory-stranded GPUs? Gangs
         # then go to the fullest node where it would not, if the first nodes of a bucket have one.
         self.strands = strands
         # Parts for which no node without stranding was found: capacity only shrinks within a

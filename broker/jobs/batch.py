@@ -22,7 +22,6 @@ fixed number of statements, under the same guarantees:
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, NamedTuple
@@ -35,6 +34,7 @@ from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.inventory.selectors import usable_pool_ids
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
 from broker.jobs.quota import QuotaRoom
+from broker.jobs.selectors import held_slots
 from broker.jobs.services import GpuRequest, JobError, allocation_commit
 from broker.jobs.signals import PlacedAllocation, allocations_placed
 from broker.jobs.states import JobState
@@ -124,7 +124,7 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
                          Coalesce("model__name", "model_name"))}
     wanted = {gpus[r.node.pk, index].pk for _, requests in chunk for r in requests for index in r.gpu_indices
               if (r.node.pk, index) in gpus}
-    taken = _held_slots(wanted)
+    taken = held_slots(wanted)  # only the GPUs the chunk asks for: a full cluster holds tens of thousands
     room = {tenant_id: QuotaRoom(tenant_id) for tenant_id in tenant_ids}
     epochs = {pk: node.epoch for pk, node in nodes.items()}
     now = timezone.now()
@@ -183,15 +183,6 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
         PlacedAllocation(pk, row["node_id"], nodes[row["node_id"]].pool_id, picks[0][0].model if picks else "")
         for pk, row, picks in zip(allocation_ids, allocations, slices)])
     result.placed.extend(placed)
-
-
-def _held_slots(gpu_ids: set[int]) -> dict[int, set[int]]:
-    """GPU id -> slots active allocations hold on these GPUs: only the GPUs a chunk asks for, not every
-    GPU of its nodes (a full cluster holds tens of thousands of slots, and each chunk read them all)."""
-    taken: dict[int, set[int]] = defaultdict(set)
-    for gpu_id, mask in AllocationSlice.objects.filter(gpu_id__in=gpu_ids, active=True).values_list("gpu_id", "mask"):
-        taken[gpu_id].update(AllocationSlice.slots_of(mask))
-    return taken
 
 
 def _check(job: Job | JobRef, requests: list[GpuRequest], nodes: dict[int, Node], usable: set[int],

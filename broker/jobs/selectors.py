@@ -1,9 +1,10 @@
 """Reads for jobs and the GPU catalogue."""
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, Iterable
 
 from django.db.models import DecimalField, F, QuerySet, Sum
 
@@ -29,6 +30,14 @@ def held_share(**filters: Any) -> HeldShare:
     usage = AllocationSlice.objects.filter(active=True, **filters).aggregate(
         held=Sum("slots"), cu=Sum(F("slots") * F("gpu__model__compute_units"), output_field=DecimalField()))
     return HeldShare(slots=usage["held"] or 0, cu_slots=usage["cu"] or Decimal(0))
+
+
+def held_slots(gpu_ids: Iterable[int]) -> dict[int, set[int]]:
+    """GPU id -> the slots active allocations hold on it, for these GPUs (a GPU nothing holds: empty)."""
+    taken: dict[int, set[int]] = defaultdict(set)
+    for gpu_id, mask in AllocationSlice.objects.filter(gpu_id__in=gpu_ids, active=True).values_list("gpu_id", "mask"):
+        taken[gpu_id].update(AllocationSlice.slots_of(mask))
+    return taken
 
 
 def tenant_held_share(*, tenant_id: int) -> HeldShare:

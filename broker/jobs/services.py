@@ -18,6 +18,7 @@ from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
 from broker.inventory.selectors import usable_pool_ids
 from broker.jobs.models import Allocation, AllocationSlice, Job, JobEvent
 from broker.jobs.quota import QuotaRoom
+from broker.jobs.selectors import held_slots
 from broker.jobs.spec import Demand, spec_to_json
 from broker.jobs.states import TERMINAL_STATES, JobState, is_legal
 from broker.rows import CompiledRead
@@ -243,8 +244,7 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
                 slot_count = Gpu.slots_for(req.milli)
                 slices = []
                 for gpu in gpus:
-                    taken = {slot for mask in AllocationSlice.objects.filter(gpu=gpu, active=True)
-                             .values_list("mask", flat=True) for slot in AllocationSlice.slots_of(mask)}
+                    taken = held_slots([gpu.pk])[gpu.pk]
                     free = [s for s in range(Gpu.SLOTS) if s not in taken]
                     if len(free) < slot_count:
                         raise DoubleBooking(f"GPU {gpu.index} on {node.name} does not have the share requested free.")

@@ -76,7 +76,7 @@ def test_the_database_constraint_still_decides_when_the_batch_read_missed_a_hold
     node = acme.nodes[0]
     holder, job, other = submit(acme, name="holder"), submit(acme, name="job"), submit(acme, name="other")
     allocation_commit(job=holder, requests=[GpuRequest(node=node, gpu_indices=(0,))])
-    monkeypatch.setattr(batch, "_held_slots", lambda node_ids: defaultdict(set))
+    monkeypatch.setattr(batch, "held_slots", lambda gpu_ids: defaultdict(set))
     result = placements_commit(items=[(job, [GpuRequest(node=node, gpu_indices=(0,))]),
                                       (other, [GpuRequest(node=node, gpu_indices=(5,))])])
     assert result.placed == [other.pk] and job.pk in result.refused

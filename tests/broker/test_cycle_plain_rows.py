@@ -69,7 +69,7 @@ def test_plain_rows_are_committed_one_by_one_when_the_constraint_refuses_their_c
     node = acme.nodes[0]
     holder, clash, fine, gone = (submit(acme, name=n) for n in ("holder", "clash", "fine", "gone"))
     allocation_commit(job=holder, requests=[GpuRequest(node=node, gpu_indices=(0,))])
-    monkeypatch.setattr(batch, "_held_slots", lambda node_ids: defaultdict(set))  # misses the holder
+    monkeypatch.setattr(batch, "held_slots", lambda gpu_ids: defaultdict(set))  # misses the holder
     gone_ref = JobRef(gone.pk, gone.tenant_id)
     Job.objects.filter(pk=gone.pk).delete()
     result = placements_commit(items=[(JobRef(job.pk, job.tenant_id), [GpuRequest(node=node, gpu_indices=(i,))])
