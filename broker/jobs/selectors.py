@@ -51,7 +51,8 @@ _CATALOG = CompiledRead(lambda _: GpuModel.objects.values_list("name", "memory_g
 
 
 def gpu_catalog() -> GpuCatalog:
-    return GpuCatalog([(name, memory_gb, list(aliases or [])) for name, memory_gb, aliases in _CATALOG.rows()])
+    """The catalogue, read when first asked (a spec that names no model never reads it)."""
+    return GpuCatalog(lambda: [(name, memory_gb, list(aliases or [])) for name, memory_gb, aliases in _CATALOG.rows()])
 
 
 def jobs_for_tenant(*, tenant: Tenant) -> QuerySet[Job]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
-from django.db.models import Count, F
+from django.db.models import Count, F, OuterRef, Subquery
 from django.utils import timezone
 
 from broker.inventory.models import Gpu, GpuHealth, Node, NodeState
@@ -21,7 +21,7 @@ from broker.jobs.quota import QuotaRoom
 from broker.jobs.selectors import held_slots
 from broker.jobs.spec import Demand, spec_to_json
 from broker.jobs.states import TERMINAL_STATES, JobState, is_legal
-from broker.rows import CompiledRead
+from broker.rows import CompiledRead, instance_with_child_insert
 from broker.tenancy.models import Quota, Tenant
 
 
@@ -87,12 +87,13 @@ def job_columns(validated: dict[str, Any]) -> dict[str, Any]:
 
 # Read on every submission, their SQL written once per database (broker/rows.py): the three limits as one
 # plain row (one per tenant: no ORDER BY, no model instance), and the tenant's pending jobs counted.
-_QUOTA_OF_TENANT = CompiledRead(lambda tenant_id: Quota.objects.filter(tenant_id=tenant_id)
-                                .values_list("max_gpus", "max_compute_units", "max_pending_jobs")[:1],
-                                marker=CompiledRead.INT_MARKER)
-_PENDING_OF_TENANT = CompiledRead(lambda tenant_id: Job.objects.filter(tenant_id=tenant_id, state=JobState.PENDING)
-                                  .order_by().values("tenant_id").annotate(n=Count("id")).values_list("n"),
-                                  marker=CompiledRead.INT_MARKER)
+# The tenant's quota with its pending jobs counted in the same statement: one round trip of every submission.
+_QUOTA_OF_TENANT = CompiledRead(
+    lambda tenant_id: Quota.objects.filter(tenant_id=tenant_id).annotate(pending=Subquery(
+        Job.objects.filter(tenant_id=OuterRef("tenant_id"), state=JobState.PENDING).order_by()
+        .values("tenant_id").annotate(n=Count("id")).values("n")))
+    .values_list("max_gpus", "max_compute_units", "max_pending_jobs", "pending")[:1],
+    marker=CompiledRead.INT_MARKER)
 
 
 def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, Any]) -> Job:
@@ -100,7 +101,7 @@ def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, 
     demand: Demand = validated["_demand"]
     quota = next(iter(_QUOTA_OF_TENANT.rows(tenant.pk)), None)
     if quota is not None:
-        max_gpus, max_compute_units, max_pending_jobs = quota
+        max_gpus, max_compute_units, max_pending_jobs, pending = quota
         if max_gpus and demand.total_gpus > max_gpus:
             raise JobError(
                 f"The job asks for {demand.total_gpus} GPUs; your tenant's quota allows {max_gpus} at once.",
@@ -111,24 +112,23 @@ def job_submit(*, tenant: Tenant, owner: AbstractBaseUser, validated: dict[str, 
                 f"The job asks for {demand.compute_units} compute units; your quota allows {max_compute_units}.",
                 field="resources",
             )
-    with transaction.atomic():
-        if quota is not None:
-            pending = next(iter(_PENDING_OF_TENANT.rows(tenant.pk)), [0])[0]
-            if pending >= max_pending_jobs:
-                raise JobError(
-                    f"Your tenant already has {pending} pending jobs (limit {max_pending_jobs}).",
-                    field="non_field_errors", code="throttled",
-                )
-        job = Job.objects.create(
-            tenant=tenant,
-            owner=owner,
-            **job_columns(validated),
-            pending_reason_code="NOT_YET_SCHEDULED",
-            pending_reason="Waiting for the next scheduling cycle.",
-            next_attempt_at=timezone.now(),
-        )
-        event_append(job=job, kind="submitted", message=f"Submitted by {owner}.",
-                     data={"demand": demand.as_dict()})
+        # Counted without a lock, as before: two submissions racing at the limit may both pass it by one.
+        if (pending or 0) >= max_pending_jobs:
+            raise JobError(
+                f"Your tenant already has {pending} pending jobs (limit {max_pending_jobs}).",
+                field="non_field_errors", code="throttled",
+            )
+    job = Job(
+        tenant=tenant,
+        owner=owner,
+        **job_columns(validated),
+        pending_reason_code="NOT_YET_SCHEDULED",
+        pending_reason="Waiting for the next scheduling cycle.",
+        next_attempt_at=timezone.now(),
+    )
+    submitted = JobEvent(job=job, kind="submitted", message=f"Submitted by {owner}.",
+                         data={"demand": demand.as_dict()})
+    instance_with_child_insert(job, submitted, "job")  # both or neither
     return job
 
 

@@ -12,7 +12,7 @@ import re
 import urllib.parse
 from dataclasses import asdict, dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, Callable
 
 from django.conf import settings
 from django.utils import timezone
@@ -65,16 +65,29 @@ class GpuModelRef:
 class GpuCatalog:
     """Known GPU models by every accepted spelling (case-insensitive)."""
 
-    def __init__(self, models: list[tuple[str, int, list[str]]]):
-        self._by_spelling: dict[str, GpuModelRef] = {}
-        for name, memory_gb, aliases in models:
-            ref = GpuModelRef(name=name, memory_gb=memory_gb)
-            for spelling in [name, *aliases]:
-                self._by_spelling.setdefault(spelling.lower(), ref)
-        self.names = sorted({ref.name for ref in self._by_spelling.values()})
+    def __init__(self, models: list[tuple[str, int, list[str]]] | Callable[[], list[tuple[str, int, list[str]]]]):
+        """`models` as (name, memory in GB, aliases), or a function that reads them when first needed: most
+        specs name no model, and their submission then never reads the catalogue."""
+        self._models = models
+        self._by_spelling: dict[str, GpuModelRef] | None = None
+
+    def _index(self) -> dict[str, GpuModelRef]:
+        if self._by_spelling is None:
+            models = self._models() if callable(self._models) else self._models
+            by_spelling: dict[str, GpuModelRef] = {}
+            for name, memory_gb, aliases in models:
+                ref = GpuModelRef(name=name, memory_gb=memory_gb)
+                for spelling in [name, *aliases]:
+                    by_spelling.setdefault(spelling.lower(), ref)
+            self._by_spelling = by_spelling
+        return self._by_spelling
+
+    @property
+    def names(self) -> list[str]:
+        return sorted({ref.name for ref in self._index().values()})
 
     def resolve(self, spelling: str) -> GpuModelRef | None:
-        return self._by_spelling.get(spelling.strip().lower())
+        return self._index().get(spelling.strip().lower())
 
 
 @dataclass(frozen=True)

@@ -294,3 +294,19 @@ def test_yaml_dates_and_tags_read_as_json_would(acme):
     tagged = "name: !!binary YWJj\ncommand: [python]\nresources: {gpus: 1}\n"
     resp = acme.client.post(URL, tagged, content_type="application/yaml")
     assert resp.status_code == 400 and "body" in resp.json()
+
+
+def test_a_catalogue_read_by_a_function_reads_once_and_only_when_asked():
+    from broker.jobs.spec import GpuCatalog
+
+    reads = []
+
+    def load():
+        reads.append(1)
+        return [("A100-80GB", 80, ["a100", "A100-SXM4-80GB"]), ("T4", 16, [])]
+
+    catalog = GpuCatalog(load)
+    assert reads == []
+    assert catalog.resolve(" A100 ").name == "A100-80GB" and catalog.resolve("t4").memory_gb == 16
+    assert catalog.resolve("H100") is None and catalog.names == ["A100-80GB", "T4"]
+    assert reads == [1]

@@ -31,3 +31,33 @@ def test_throttle_budget_is_shared_through_redis(acme):
     finally:
         SimpleRateThrottle.THROTTLE_RATES = old
         cache.clear()
+
+
+@requires_redis
+@pytest.mark.redis
+def test_the_redis_cache_shares_one_client_across_calls_and_threads():
+    """broker/ops/cache.py: one `redis.Redis` per server instead of one per cache call, and the shared one
+    serves concurrent threads without losing an increment or mixing up answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.core.cache import caches
+
+    from broker.ops.cache import SharedClientRedisCache
+
+    assert isinstance(caches["default"], SharedClientRedisCache)
+    assert cache._cache.get_client("a") is cache._cache.get_client("b", write=True)
+    cache.clear()
+    cache.set("counter", 0)
+
+    def work(thread: int) -> bool:
+        mine = True
+        for i in range(50):
+            cache.incr("counter")
+            cache.set(f"own:{thread}", i)
+            mine = mine and cache.get(f"own:{thread}") == i
+        return mine
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(work, range(16)))
+    assert all(answers) and cache.get("counter") == 800
+    cache.clear()

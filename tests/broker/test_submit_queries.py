@@ -2,6 +2,7 @@
 in one query, and a user in two teams gets the membership of the token's team, never the other's."""
 from __future__ import annotations
 
+import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIRequestFactory
@@ -89,3 +90,72 @@ def test_the_pending_jobs_limit_counts_this_tenants_pending_jobs_only(acme, glob
     assert refused.status_code == 429, refused.content
     assert "already has 2 pending jobs (limit 2)" in refused.json()["non_field_errors"][0]
     assert Job.objects.filter(tenant=acme.tenant, state="PENDING").count() == 2
+
+
+def _written(queries) -> list[str]:
+    return [q["sql"] for q in queries.captured_queries if q["sql"].lstrip().upper().startswith(("INSERT", "WITH"))]
+
+
+def test_a_job_and_its_submitted_event_are_written_together_and_read_back_alike(acme):
+    """On PostgreSQL the job and its "submitted" event are one statement (no BEGIN or COMMIT around it);
+    on SQLite two in one transaction. What was written is what the ORM reads: the spec, the demand
+    columns, the timestamps the answer gave, and the event pointing at the job."""
+    from broker.jobs.models import Job, JobEvent
+
+    spec = {"name": "pair", "command": ["python", "t.py"], "priority": 61,
+            "expected_duration_hours": 2.5,
+            "resources": {"gpus": 2, "gpu_models": ["A100-80GB"]}}
+    with CaptureQueriesContext(connection) as submitted:
+        answer = acme.client.post("/api/v1/jobs/", spec, format="json")
+    assert answer.status_code == 201, answer.content[:300]
+    writes = _written(submitted)
+    if connection.vendor == "postgresql":
+        assert len(writes) == 1 and '"jobs_job"' in writes[0] and '"jobs_jobevent"' in writes[0], writes
+    else:
+        assert len(writes) == 2, writes
+    body = answer.json()
+    job = Job.objects.get(pk=body["id"])
+    assert (job.tenant_id, job.owner_id, job.state, job.priority, job.gpu_count, job.gpu_models) == (
+        acme.tenant.pk, acme.admin.pk, "PENDING", 61, 2, ["A100-80GB"])
+    assert job.expected_duration_hours == 2.5 and job.spec["name"] == "pair"
+    assert job.created_at.isoformat().replace("+00:00", "Z") == body["created_at"]
+    events = list(JobEvent.objects.filter(job=job).values_list("kind", "message", "data__demand"))
+    assert [(kind, message) for kind, message, _ in events] == [("submitted", "Submitted by acme-admin.")]
+    demand = events[0][2]
+    assert {k: demand[k] for k in ("gpus_per_node", "gpu_models", "total_gpus")} == {
+        k: body["demand"][k] for k in ("gpus_per_node", "gpu_models", "total_gpus")}
+
+
+@pytest.mark.django_db(transaction=True)  # no test transaction around it: what the failure leaves is committed
+def test_a_job_is_never_written_without_its_event(acme):
+    """Both or neither: when the event's INSERT fails, the job's is undone with it."""
+    from django.db import IntegrityError
+
+    from broker.jobs.models import Job, JobEvent
+    from broker.rows import instance_with_child_insert
+
+    before = Job.objects.count()
+    job = Job(tenant=acme.tenant, owner=acme.admin, name="orphan", spec={}, gpu_count=1)
+    event = JobEvent(job=job, kind=None)  # NOT NULL column: the database refuses the event row
+    with pytest.raises(IntegrityError):
+        instance_with_child_insert(job, event, "job")
+    assert Job.objects.count() == before and job._state.adding
+
+
+def test_a_spec_naming_no_model_reads_no_catalogue_and_one_naming_a_model_reads_it_once(acme):
+    from broker.inventory.models import GpuModel
+
+    table = f'"{GpuModel._meta.db_table}"'
+
+    def catalogue_reads(spec) -> int:
+        with CaptureQueriesContext(connection) as queries:
+            assert acme.client.post("/api/v1/jobs/", spec, format="json").status_code == 201
+        # The catalogue's read (names, memory, aliases), not the check of what the team's pools offer.
+        return sum(1 for q in queries.captured_queries if table in q["sql"] and '"aliases"' in q["sql"])
+
+    assert catalogue_reads({"name": "any", "command": ["true"], "resources": {"gpus": 1}}) == 0
+    assert catalogue_reads({"name": "named", "command": ["true"],
+                            "resources": {"gpus": 1, "gpu_models": ["a100-80gb"]}}) == 1
+    unknown = acme.client.post("/api/v1/jobs/", {"name": "x", "command": ["true"],
+                                                 "resources": {"gpus": 1, "gpu_models": ["Z9000"]}}, format="json")
+    assert unknown.status_code == 400 and "A100-80GB" in str(unknown.json())  # the error lists the catalogue
