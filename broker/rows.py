@@ -10,6 +10,7 @@ raises Django's IntegrityError, so callers roll back as with bulk_create. No sig
 bulk_create."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, Sequence
 
 from django.db import DEFAULT_DB_ALIAS, connection, connections, models, transaction
@@ -213,14 +214,15 @@ def _insert_columns(obj: models.Model, connection: Any, *, skip: str = "") -> tu
     """The quoted columns and database-ready values of an unsaved instance, as `save()` would write them:
     `pre_save` stamps `auto_now`/`auto_now_add` (on the instance too), values prepared for the database.
     The primary key is left to the database; `skip` names a field the caller writes itself."""
-    quote = connection.ops.quote_name
-    columns, values = [], []
-    for f in obj._meta.concrete_fields:
-        if f.primary_key or f.name == skip:
-            continue
-        columns.append(quote(f.column))
-        values.append(f.get_db_prep_save(f.pre_save(obj, True), connection))
-    return columns, values
+    fields, columns = _insert_fields(type(obj), connection.vendor, skip)
+    return columns, [f.get_db_prep_save(f.pre_save(obj, True), connection) for f in fields]
+
+
+@functools.cache
+def _insert_fields(model: type[models.Model], vendor: str, skip: str) -> tuple[list[Any], list[str]]:
+    quote = connections[DEFAULT_DB_ALIAS].ops.quote_name
+    fields = [f for f in model._meta.concrete_fields if not f.primary_key and f.name != skip]
+    return fields, [quote(f.column) for f in fields]
 
 
 def _inserted(obj: models.Model, pk: Any, alias: str) -> None:

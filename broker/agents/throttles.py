@@ -1,4 +1,4 @@
-"""Rate limits on the agent routes (DRF throttles): anonymous registration per client address, the
+"""Rate limits on the agent routes (DRF throttles counted by broker/api/throttling.py): anonymous registration per client address, the
 other calls per node. A 429 carries Retry-After; the agent treats it like an outage and backs off.
 
 Rates are settings read at each request (`WHALEZEN_AGENT_*_RATE`, "<count>/<s|min|hour|day>"), so an
@@ -7,7 +7,8 @@ operator can change them without code and a test can override them.
 from __future__ import annotations
 
 from django.conf import settings
-from rest_framework.throttling import SimpleRateThrottle
+
+from broker.api.throttling import WindowRateThrottle
 
 # A real agent heartbeats and pulls its assignments every 5 s (12 a minute each); status reports
 # come in bursts (an outbox flushed after an outage), and a throttled report just waits its turn.
@@ -19,7 +20,7 @@ DEFAULT_RATES = {
 }
 
 
-class _AgentThrottle(SimpleRateThrottle):
+class _AgentThrottle(WindowRateThrottle):
     route = ""
 
     def get_rate(self) -> str:

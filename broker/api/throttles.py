@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-from rest_framework.throttling import SimpleRateThrottle
-
+from broker.api.throttling import WindowRateThrottle
 from broker.tenancy.permissions import tenant_context
 
 
-class JobSubmitThrottle(SimpleRateThrottle):
+class JobSubmitThrottle(WindowRateThrottle):
     """Limits job submissions per API token (per user for browser sessions)."""
 
     scope = "job_submit"

@@ -30,3 +30,16 @@ class SharedClientRedisCache(RedisCache):
     def __init__(self, server: str, params: dict[str, Any]) -> None:
         super().__init__(server, params)
         self._class = SharedClientRedisCacheClient
+
+    def window_hit(self, current: str, previous: str, timeout: int) -> tuple[int, int]:
+        """broker/api/throttling.py's counting in one round trip: INCR the current period's counter, set
+        its expiry, read the previous period's. Integers are stored as plain numbers (Django's Redis
+        serializer), so `get`/`decr` read and change the same values."""
+        current_key = self.make_and_validate_key(current)
+        previous_key = self.make_and_validate_key(previous)
+        with self._cache.get_client(current_key, write=True).pipeline(transaction=False) as pipe:
+            pipe.incr(current_key)
+            pipe.expire(current_key, timeout)
+            pipe.get(previous_key)
+            count, _, before = pipe.execute()
+        return int(count), int(before or 0)
