@@ -406,10 +406,15 @@ def measure_submissions(db: str, args: argparse.Namespace, say: Any) -> list[dic
 
     out = []
     with tempfile.TemporaryDirectory(prefix="wz-bench-svc-sub-") as var, backend(db, args.redis_db) as db_env:
+        prepare = _without_cloud_sim if args.no_cloud_sim else None
         if db == "sqlite":
-            server_cm, name = seeded_server(Path(var), worker=True), "make run (serve: gunicorn gthread 1x16 + worker)"
+            server_cm = seeded_server(Path(var), worker=True, prepare=prepare)
+            name = "make run (serve: gunicorn gthread 1x16 + worker)"
         else:
-            server_cm, name = production_server(Path(var), db_env), "docker-compose (gunicorn --workers 3 + worker)"
+            server_cm = production_server(Path(var), db_env, prepare=prepare)
+            name = "docker-compose (gunicorn --workers 3 + worker)"
+        if args.no_cloud_sim:
+            name += ", no cloud-sim pools"
         with server_cm as server:
             for concurrency in args.concurrency:
                 requests = max(args.min_requests, args.requests_per_thread * concurrency)
@@ -419,13 +424,23 @@ def measure_submissions(db: str, args: argparse.Namespace, say: Any) -> list[dic
                 cpu = cpu_spent(cpu_before, service_cpu(server))
                 generator = time.process_time() - generator_before
                 s = summarize(answers, seconds, concurrency)
-                entry = {"db": db, "server": name, "concurrency": concurrency, "rps": s["requests_per_s"],
+                entry = {"db": db, "server": name, "cloud_sim": not args.no_cloud_sim, "concurrency": concurrency,
+                         "rps": s["requests_per_s"],
                          "p50_ms": s["p50_ms"], "p95_ms": s["p95_ms"], "p99_ms": s["p99_ms"], "errors": s["errors"],
                          "requests": s["requests"], "error_kinds": s["error_kinds"],
                          **cpu_per_request(cpu, generator, len(answers), seconds)}
                 say(f"[submissions {db}] {json.dumps(entry)}")
                 out.append(entry)
     return out
+
+
+def _without_cloud_sim(env: dict[str, str]) -> None:
+    """Delete the demo's cloud-sim pools (`--no-cloud-sim`): the `local` provider runs each simulated
+    instance's agent as processes on this machine, which an instance a real cloud rents does not; the
+    difference between the two runs is what those processes take from the service on 2 cores."""
+    code = "from broker.inventory.models import Pool; Pool.objects.filter(kind='local').delete()"
+    subprocess.run([sys.executable, "manage.py", "shell", "-c", code], cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 # ------------------------------------------------------------------------------------------ 3. reads
@@ -740,6 +755,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--requests-per-thread", type=int, default=50)
     p.add_argument("--min-requests", type=int, default=300)
+    p.add_argument("--no-cloud-sim", action="store_true",
+                   help="submissions: without the demo's cloud-sim pools (their simulated instances' agents run here)")
     p.add_argument("--read-jobs", type=int, default=100_000)
     p.add_argument("--read-requests", type=int, default=200)
     p.add_argument("--idle-seconds", type=float, default=60.0)
