@@ -80,3 +80,24 @@ def process_role(argv: list[str]) -> str:
     if "celery" in line:
         return "beat" if "beat" in argv else "worker"
     return "serve" if "serve" in argv else (argv[0].rsplit("/", 1)[-1] if argv else "?")
+
+
+# The data servers a bench's service talks to, by the name the kernel gives their processes.
+DATA_SERVERS = {"postgres": "postgres", "redis-server": "redis"}
+
+
+def data_server_cpu() -> dict[int, tuple[str, float]]:
+    """pid -> (server, CPU seconds) of every PostgreSQL and Redis process on the machine (connection
+    backends included): what the service's queries cost the servers, which `process_tree` of the
+    service does not see. On a machine that runs other work against the same servers it counts that too."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            server = DATA_SERVERS.get((proc / "comm").read_text().strip())
+            if server is not None:
+                out[int(proc.name)] = (server, cpu_seconds(int(proc.name)))
+        except OSError:
+            continue
+    return out

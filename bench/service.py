@@ -402,6 +402,7 @@ def measure_cycle(db: str, args: argparse.Namespace, say: Any) -> list[dict[str,
 
 # ------------------------------------------------------------------------------------ 2. submissions
 def measure_submissions(db: str, args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
+    from bench.procs import data_server_cpu
     from bench.submit_load import fire, production_server, seeded_server, summarize
 
     out = []
@@ -420,15 +421,22 @@ def measure_submissions(db: str, args: argparse.Namespace, say: Any) -> list[dic
                 requests = max(args.min_requests, args.requests_per_thread * concurrency)
                 fire(server, requests=concurrency, concurrency=concurrency, timeout_s=60)  # warm, not counted
                 cpu_before, generator_before = service_cpu(server), time.process_time()
+                servers_before = data_server_cpu()
                 answers, seconds = fire(server, requests=requests, concurrency=concurrency, timeout_s=60)
                 cpu = cpu_spent(cpu_before, service_cpu(server))
+                servers = cpu_spent(servers_before, data_server_cpu())
                 generator = time.process_time() - generator_before
                 s = summarize(answers, seconds, concurrency)
                 entry = {"db": db, "server": name, "cloud_sim": not args.no_cloud_sim, "concurrency": concurrency,
                          "rps": s["requests_per_s"],
                          "p50_ms": s["p50_ms"], "p95_ms": s["p95_ms"], "p99_ms": s["p99_ms"], "errors": s["errors"],
                          "requests": s["requests"], "error_kinds": s["error_kinds"],
-                         **cpu_per_request(cpu, generator, len(answers), seconds)}
+                         **cpu_per_request(cpu, generator, len(answers), seconds),
+                         # Not in cpu_ms_per_request: the database's and Redis's processes (PostgreSQL only;
+                         # SQLite runs inside the service's own processes).
+                         "data_server_cpu_ms_per_request": (
+                             {k: round(1000 * v / len(answers), 2) for k, v in sorted(servers.items())}
+                             if db != "sqlite" and answers else {})}
                 say(f"[submissions {db}] {json.dumps(entry)}")
                 out.append(entry)
     return out

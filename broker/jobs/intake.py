@@ -46,7 +46,7 @@ def submission_parse(data: Any, *, tenant: Tenant, declared: str | None = None,
     try:
         fmt, translation = translate(data, declared=declared)
     except FormatError as exc:
-        raise serializers.ValidationError(nested_errors(exc.errors)) from None
+        raise serializers.ValidationError(nested_errors(exc.errors, literal=exc.literal)) from None
     native = {k: v for k, v in translation.spec.items() if k != "format"}
     catalog = catalog or gpu_catalog()
     spec = JobSpecSerializer(data=native, context={"gpu_catalog": catalog})
@@ -66,11 +66,15 @@ def submission_refuse_problems(submission: Submission) -> None:
         raise serializers.ValidationError(nested_errors({p.field: p.message for p in submission.problems}))
 
 
-def nested_errors(flat: dict[str, str]) -> dict[str, Any]:
+def nested_errors(flat: dict[str, str], *, literal: frozenset[str] = frozenset()) -> dict[str, Any]:
     """{"resources.cpus": msg} as the API's nested error shape {"resources": {"cpus": [msg]}}, as DRF
-    gives for native fields (clients show both as `resources.cpus`)."""
+    gives for native fields (clients show both as `resources.cpus`). A key in `literal` (a top-level key
+    as the user wrote it: `a.b`, `0.`) stays one key."""
     out: dict[str, Any] = {}
     for path, message in flat.items():
+        if path in literal:
+            out.setdefault(path, []).append(message)
+            continue
         parts = _PATH_PART.findall(path) or [path]
         head = re.match(r"^([^\[]+)(\[.*\])$", parts[0])
         if head:  # a top-level key is a request field: `files[0]` -> files, [0]

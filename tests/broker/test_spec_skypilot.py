@@ -289,6 +289,10 @@ def test_declaring_the_format(acme):
     ("resources: {cpus: 4}\nrun: x", ("resources", "accelerators"), "GPU jobs"),
     ("resources: {accelerators: A100-80GB}\nrun: x\nenvs: [A, B]", ("envs",), "NAME: value"),
     ("resources: {accelerators: A100-80GB}\nrun: x\ntypo_field: 1", ("typo_field",), "Not a SkyPilot task field"),
+    # An unknown key is named as written, dots and brackets included, not read as a path.
+    ("resources: {accelerators: A100-80GB}\nrun: x\nresources.cpus: 4", ("resources.cpus",), "Not a SkyPilot task"),
+    ("resources: {accelerators: A100-80GB}\nrun: x\n'0.': 1", ("0.",), "Not a SkyPilot task field"),
+    ("resources: {accelerators: A100-80GB}\nrun: x\n'files[0]': 1", ("files[0]",), "Not a SkyPilot task field"),
     ("resources: {accelerators: A100-80GB, gpus_please: 1}\nrun: x", ("resources", "gpus_please"),
      "Not a SkyPilot resources field"),
     ("resources:\n  any_of:\n    - {accelerators: L4, infra: gcp}\n    - {accelerators: A100-80GB, infra: aws}\n"

@@ -30,8 +30,11 @@ class Translation:
 
 
 class FormatError(Exception):
-    """The document cannot be translated: {field path: message}, answered as a 400 by field."""
+    """The document cannot be translated: {field path: message}, answered as a 400 by field. `literal`:
+    keys of `errors` that are a top-level key as the user wrote it, not a path (an unknown key `a.b`
+    is named `a.b`, not `b` inside `a`)."""
 
-    def __init__(self, errors: dict[str, str]):
+    def __init__(self, errors: dict[str, str], *, literal: frozenset[str] = frozenset()):
         super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
         self.errors = errors
+        self.literal = literal

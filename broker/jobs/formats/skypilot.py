@@ -74,8 +74,9 @@ def looks_like_skypilot(doc: dict) -> bool:
 def translate_skypilot(doc: dict) -> Translation:
     out = Translation(spec={"format": "skypilot"})
     errors: dict[str, str] = {}
-    for key in sorted(set(doc) - TOP_LEVEL_KEYS, key=str):
-        errors[str(key)] = "Not a SkyPilot task field WhaleZen knows (see docs/job-spec.md, SkyPilot task files)."
+    unknown = frozenset(str(key) for key in set(doc) - TOP_LEVEL_KEYS)
+    for key in sorted(unknown):
+        errors[key] = "Not a SkyPilot task field WhaleZen knows (see docs/job-spec.md, SkyPilot task files)."
     for key, message in WARNED_TOP_FIELDS.items():
         if key in doc:
             out.warnings.append(FieldProblem(key, message))
@@ -104,7 +105,7 @@ def translate_skypilot(doc: dict) -> Translation:
         _resources(resources, out, errors)
     _extras(doc.get("whalezen"), out, errors)
     if errors:
-        raise FormatError(errors)
+        raise FormatError(errors, literal=unknown)
     return out
 
 
