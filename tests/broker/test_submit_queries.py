@@ -159,3 +159,33 @@ def test_a_spec_naming_no_model_reads_no_catalogue_and_one_naming_a_model_reads_
     unknown = acme.client.post("/api/v1/jobs/", {"name": "x", "command": ["true"],
                                                  "resources": {"gpus": 1, "gpu_models": ["Z9000"]}}, format="json")
     assert unknown.status_code == 400 and "A100-80GB" in str(unknown.json())  # the error lists the catalogue
+
+
+def test_the_pending_jobs_are_counted_only_when_they_may_have_reached_the_limit(acme, globex):
+    """Far from the limit a submission counts nothing (its pending jobs lie between its oldest pending job's id
+    and the newest job's); near it, the count decides, other tenants' jobs in between included; a limit of
+    0 refuses every submission."""
+    from broker.jobs.models import Job
+    from broker.tenancy.models import Quota
+
+    spec = {"name": "q", "command": ["true"], "resources": {"gpus": 1}}
+
+    def submit() -> tuple[int, int]:
+        with CaptureQueriesContext(connection) as queries:
+            status = acme.client.post("/api/v1/jobs/", spec, format="json").status_code
+        return status, sum(1 for q in queries.captured_queries if "COUNT(" in q["sql"].upper())
+
+    Quota.objects.update_or_create(tenant=acme.tenant, defaults={"max_pending_jobs": 4})
+    assert [submit() for _ in range(3)] == [(201, 0), (201, 0), (201, 0)]  # bounds 1, 2, 3: under 4
+    for _ in range(5):
+        assert globex.client.post("/api/v1/jobs/", spec, format="json").status_code == 201
+    Job.objects.filter(tenant=acme.tenant).order_by("id").filter(
+        pk=Job.objects.filter(tenant=acme.tenant).order_by("id").values("pk")[:1]).update(state="CANCELLED")
+    # Two of acme's pending, globex's five among them: the bound (7) reaches 4, the count (2) decides.
+    assert submit() == (201, 1)
+    assert submit() == (201, 1)
+    refused = acme.client.post("/api/v1/jobs/", spec, format="json")
+    assert refused.status_code == 429 and "already has 4 pending jobs (limit 4)" in str(refused.json())
+    Quota.objects.filter(tenant=acme.tenant).update(max_pending_jobs=0)
+    Job.objects.filter(tenant=acme.tenant).update(state="CANCELLED")
+    assert submit() == (429, 1)
