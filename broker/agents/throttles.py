@@ -1,5 +1,5 @@
-"""Rate limits on the agent routes (DRF throttles counted by broker/api/throttling.py): anonymous registration per client address, the
-other calls per node. A 429 carries Retry-After; the agent treats it like an outage and backs off.
+"""Rate limits on the agent routes (DRF throttles counted by broker/api/throttling.py): anonymous
+registration per client address, the other calls per node. A 429 carries Retry-After; the agent treats it like an outage and backs off.
 
 Rates are settings read at each request (`WHALEZEN_AGENT_*_RATE`, "<count>/<s|min|hour|day>"), so an
 operator can change them without code and a test can override them.

@@ -259,9 +259,9 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
                 alloc = Allocation.objects.create(job=job, node=node, epoch=node.epoch + 1)
                 slot_count = Gpu.slots_for(req.milli)
                 slices = []
+                held = held_slots([gpu.pk for gpu in gpus])  # one read for the node's GPUs, not one per GPU
                 for gpu in gpus:
-                    taken = held_slots([gpu.pk])[gpu.pk]
-                    free = [s for s in range(Gpu.SLOTS) if s not in taken]
+                    free = [s for s in range(Gpu.SLOTS) if s not in held[gpu.pk]]
                     if len(free) < slot_count:
                         raise DoubleBooking(f"GPU {gpu.index} on {node.name} does not have the share requested free.")
                     slices.append(AllocationSlice(allocation=alloc, gpu=gpu, mask=AllocationSlice.mask_of(

@@ -6,6 +6,7 @@ two spellings users already know: SkyPilot's `accelerators: "A100-80GB:4"` and K
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -82,7 +83,7 @@ class GpuCatalog:
             self._by_spelling = by_spelling
         return self._by_spelling
 
-    @property
+    @functools.cached_property
     def names(self) -> list[str]:
         return sorted({ref.name for ref in self._index().values()})
 
