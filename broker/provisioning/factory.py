@@ -28,6 +28,8 @@ def _local_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
         out["simulation"] = CloudSimulation(**config["simulation"])
     if "zones" in config:
         out["zones"] = tuple(config["zones"])
+    if "nice" in config:
+        out["nice"] = int(config["nice"])
     return out
 
 

@@ -1,6 +1,6 @@
 """One simulated cloud instance of the local provider: its metadata service and its agent.
 
-    python instance.py --listen-fd FD --secret S --notice-file F [--grace N] -- python -m agent ...
+    python instance.py --listen-fd FD --secret S --notice-file F [--grace N] [--nice N] -- python -m agent ...
 
 The provider starts this as the instance's first process, in a session of its own; the agent is
 its child in the same process group, so the provider's terminate (SIGTERM, then SIGKILL to the
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import signal
 import socket
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--secret", required=True)
     parser.add_argument("--notice-file", type=Path, required=True)
     parser.add_argument("--grace", type=float, default=10.0)
+    # A simulated instance stands for a machine of its own: on the machine it shares with the broker
+    # it (with its agent and the jobs they run, which inherit it) yields the CPU to the service.
+    parser.add_argument("--nice", type=int, default=0, help="raise this process's niceness by N first")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -127,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM comes to the whole group from the provider's terminate: the agent got it too. Stay
     # until the agent has stopped its jobs, so "this process is gone" keeps meaning "all is gone".
     signal.signal(signal.SIGTERM, lambda *_: None)
+    if args.nice > 0:
+        os.nice(args.nice)
     # The agent first: the socket already listens (the provider bound it), so a request that
     # comes before the server below runs waits in the backlog instead of failing.
     child = subprocess.Popen(command)  # inherits stdin (the join token), stdout and the process group

@@ -187,6 +187,7 @@ class LocalProvider(Provider):
         simulation: CloudSimulation = CloudSimulation(),
         env: Mapping[str, str] | None = None,
         stop_timeout_s: float = 5.0,
+        nice: int = 10,
         clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(broker_id=broker_id)
@@ -199,6 +200,9 @@ class LocalProvider(Provider):
         self.simulation = simulation
         self.env = env
         self.stop_timeout_s = stop_timeout_s
+        # Simulated instances run on the broker's own machine, which a rented one does not: at a lower
+        # CPU priority (niceness, inherited by the agent and its jobs) they leave the service its cores.
+        self.nice = nice
         self._clock = clock
         self._rng = random.Random(simulation.seed)
         self._children: dict[int, subprocess.Popen[bytes]] = {}
@@ -327,7 +331,7 @@ class LocalProvider(Provider):
                 process = processes.spawn(
                     [self.python, str(INSTANCE_SCRIPT), "--listen-fd", str(listener.fileno()), f"--secret={secret}",
                      "--notice-file", str(self._notice_path(instance_id)), "--grace", f"{self.stop_timeout_s:g}",
-                     "--", *command],
+                     f"--nice={self.nice}", "--", *command],
                     log_path=self.state_dir / "logs" / f"{instance_id}.log",
                     env=env,
                     stdin_data=f"{request.agent_join_token}\n".encode(),

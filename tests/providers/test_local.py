@@ -3,6 +3,7 @@ injectable command), state files that survive a restart, and the cloud simulatio
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -18,11 +19,11 @@ from providers.local.processes import is_alive
 from providers.reconcile import KnownInstance, reconcile
 from tests.providers.conftest import BROKER_ID, make_request
 
-# Stands in for `python -m agent ...`: records its argv, its stdin's first line and the token
-# variable of its environment, then idles until killed.
+# Stands in for `python -m agent ...`: records its argv, its stdin's first line, the token
+# variable of its environment and its CPU niceness, then idles until killed.
 STAND_IN = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps("
             "{'argv': sys.argv[2:], 'stdin': sys.stdin.readline(), 'env_token': os.environ.get('WHALEZEN_JOIN_TOKEN'),"
-            " 'env': sorted(os.environ)})); time.sleep(300)")
+            " 'env': sorted(os.environ), 'nice': os.nice(0)})); time.sleep(300)")
 
 
 def stand_in(argv_dir: Path):
@@ -92,6 +93,17 @@ def test_provision_starts_agent_with_fake_gpus(make_local, tmp_path: Path, monke
     assert {"PATH", "WHALEZEN_AGENT_LOG_LEVEL", "CONTAINERS_CONF"} <= set(started["env"])
     assert not {"DJANGO_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"} & set(started["env"])
     assert is_alive(*pid_of(provider, info.ref.instance_id))
+
+
+@pytest.mark.parametrize("nice", [None, 0, 3])
+def test_simulated_instances_yield_the_cpu_to_the_broker(make_local, tmp_path: Path, nice: int | None) -> None:
+    # They run on the broker's machine, which a rented instance does not: by default 10 steps nicer
+    # than the broker (at most 19), so a burst of instance starts and their jobs leave it its cores.
+    provider = make_local() if nice is None else make_local(nice=nice)
+    request = local_request()
+    provider.provision(request)
+    started = json.loads(wait_for(tmp_path / f"{request.node_name}.json"))
+    assert started["nice"] == min(19, os.nice(0) + (10 if nice is None else nice))
 
 
 def test_same_key_same_process_even_after_restart(make_local) -> None:
