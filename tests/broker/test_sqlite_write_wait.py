@@ -1,0 +1,81 @@
+"""The embedded SQLite backend's wait for another process's write lock (broker/sqlite/base.py).
+
+A transaction that finds the write lock held by another process (here a plain sqlite3 connection,
+as the Celery worker or a management command would hold it) waits for it and then runs, fails
+with "database is locked" only after the configured timeout and then holds nothing (neither this
+process's write lock nor a transaction), and statements outside a transaction wait as well.
+"""
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.db import transaction
+from django.db.utils import ConnectionHandler, OperationalError
+
+from broker.sqlite.base import _write_lock
+
+
+@pytest.fixture
+def file_database(tmp_path: Path, monkeypatch, django_db_blocker):
+    path = tmp_path / "broker.sqlite3"
+    setup = sqlite3.connect(path)
+    setup.execute("PRAGMA journal_mode=WAL")
+    setup.execute("CREATE TABLE t (value INTEGER)")
+    setup.close()
+    handler = ConnectionHandler({"default": {
+        "ENGINE": "broker.sqlite", "NAME": str(path),
+        "OPTIONS": {"timeout": 0.5, "transaction_mode": "IMMEDIATE"}}})
+    # transaction.atomic(using=...) looks the alias up in django.db.connections: this file's instead.
+    monkeypatch.setattr(transaction, "connections", handler)
+    with django_db_blocker.unblock():  # a database of the test's own, not the test database
+        yield path, handler["default"]
+        handler.close_all()
+
+
+def other_process_holds_the_write_lock(path: Path) -> sqlite3.Connection:
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("INSERT INTO t VALUES (1)")
+    return holder
+
+
+def test_a_transaction_waits_for_another_process_then_runs(file_database) -> None:
+    path, wrapper = file_database
+    holder = other_process_holds_the_write_lock(path)
+    threading.Timer(0.2, lambda: holder.execute("COMMIT")).start()
+    started = time.monotonic()
+    with transaction.atomic():
+        wrapper.cursor().execute("INSERT INTO t VALUES (2)")
+    assert time.monotonic() - started >= 0.19  # it waited for the other writer, it did not fail
+    assert [row[0] for row in sqlite3.connect(path).execute("SELECT value FROM t ORDER BY value")] == [1, 2]
+
+
+def test_past_the_timeout_it_fails_and_the_next_transaction_runs(file_database) -> None:
+    path, wrapper = file_database
+    holder = other_process_holds_the_write_lock(path)
+    started = time.monotonic()
+    with pytest.raises(OperationalError, match="locked"):
+        with transaction.atomic():
+            wrapper.cursor().execute("INSERT INTO t VALUES (2)")
+    assert time.monotonic() - started >= 0.49
+    assert not _write_lock(str(path)).locked()  # the process's other threads are not kept waiting
+    assert not wrapper.in_atomic_block
+    holder.execute("COMMIT")
+    # Nothing of the failed attempt is held: neither this process's write lock nor a transaction.
+    with transaction.atomic():
+        wrapper.cursor().execute("INSERT INTO t VALUES (3)")
+    assert [row[0] for row in sqlite3.connect(path).execute("SELECT value FROM t ORDER BY value")] == [1, 3]
+
+
+def test_an_autocommit_write_after_a_transaction_also_waits(file_database) -> None:
+    path, wrapper = file_database
+    with transaction.atomic():
+        wrapper.cursor().execute("INSERT INTO t VALUES (2)")
+    holder = other_process_holds_the_write_lock(path)
+    threading.Timer(0.2, lambda: holder.execute("COMMIT")).start()
+    wrapper.cursor().execute("INSERT INTO t VALUES (3)")  # no transaction: waits, does not fail
+    assert [row[0] for row in sqlite3.connect(path).execute("SELECT value FROM t ORDER BY value")] == [1, 2, 3]
