@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
+import types
 
 import pytest
 
@@ -117,6 +119,35 @@ def test_lp_rounding_path_gives_a_valid_plan(monkeypatch):
     assert not plan.solver.proven_optimal
     assert plan_violations(snap, plan) == []
     assert len(plan.placements) == 8
+
+
+@pytest.mark.parametrize("phase_two_s, full_model_runs", [(0.05, True), (0.3, False)])
+def test_the_full_model_runs_only_with_time_to_finish(monkeypatch, phase_two_s, full_model_runs):
+    # Phase two is made unproven (its objective far above the LP bound) and to take `phase_two_s` of
+    # the MILP's 1 s: with 0.95 s left the full model runs; with 0.7 s left, less than four times
+    # phase two's time, it would only run to its limit, so the engine keeps phase two's answer.
+    clock = {"offset": 0.0}
+    real_clock = time.perf_counter
+    monkeypatch.setattr(milp, "time", types.SimpleNamespace(perf_counter=lambda: real_clock() + clock["offset"]))
+    calls = []
+    real_solve = milp.solve
+
+    def solve(prob, **kwargs):
+        result = real_solve(prob, **kwargs)
+        calls.append("lp" if kwargs.get("relax") else "milp")
+        if calls == ["lp", "milp"]:  # phase two
+            clock["offset"] += phase_two_s
+            return dataclasses.replace(result, objective=result.objective + 100.0)
+        return result
+
+    monkeypatch.setattr(milp, "solve", solve)
+    nodes = [gpu_node(f"n{i}", gpus=4) for i in range(3)]
+    pending = [job(f"j{k}", gpus=1, submitted_at=k) for k in range(6)]
+    snap = snapshot(nodes, pending)
+    plan = schedule(snap, Policy(method="milp", time_limit_s=2.0, preemption=False, defragmentation=False))
+    assert calls == (["lp", "milp", "milp"] if full_model_runs else ["lp", "milp"])
+    assert ("full MILP" in plan.solver.status) is full_model_runs
+    assert plan_violations(snap, plan) == [] and len(plan.placements) == 6
 
 
 def test_waiting_is_cheaper_than_an_expensive_launch():
