@@ -29,7 +29,10 @@ def _local_config(pool: Pool, config: dict[str, Any]) -> dict[str, Any]:
     if "zones" in config:
         out["zones"] = tuple(config["zones"])
     if "nice" in config:
-        out["nice"] = int(config["nice"])
+        nice = config["nice"]
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise TypeError(f"nice must be a whole number from 0 to 19, not {nice!r}")  # told as misconfigured
+        out["nice"] = nice
     return out
 
 

@@ -432,3 +432,21 @@ def test_idle_owned_gpus_are_used_before_anything_is_rented(acme, gpu_models, se
     outcome = scheduling_cycle_run(tenant=acme.tenant)
     assert outcome.launched == [] and sorted(outcome.placed) == sorted(j.pk for j in jobs), outcome.conflicts
     assert {j.allocations.get(active=True).node_id for j in jobs} == t4_nodes
+
+
+@pytest.mark.parametrize("nice, error", [(0, None), (15, None), ("high", "nice must be a whole number"),
+                                         (-5, "nice must be a whole number"), (True, "nice must be")])
+def test_a_local_pools_niceness_is_checked_where_the_provider_is_built(acme, settings, tmp_path, nice, error):
+    from broker.provisioning.factory import provider_for_pool
+
+    settings.VAR_DIR = tmp_path
+    pool = Pool.objects.create(tenant=acme.tenant, name="cloud-sim", kind=PoolKind.LOCAL, region="sim",
+                               max_instances=1, provider_config={"nice": nice})
+    if error is None:
+        assert provider_for_pool(pool).nice == nice
+        return
+    # The admin's mistake is the pool's one provider error (offers and cycles skip the pool and say why).
+    with pytest.raises(ProviderError) as raised:
+        provider_for_pool(pool)
+    assert raised.value.kind is ErrorKind.BAD_REQUEST
+    assert "cloud-sim is misconfigured" in str(raised.value) and error in str(raised.value)
