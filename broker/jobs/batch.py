@@ -39,7 +39,7 @@ from broker.jobs.services import GpuRequest, JobError, allocation_commit
 from broker.jobs.signals import PlacedAllocation, allocations_placed
 from broker.jobs.states import JobState
 from broker.rows import fields_insert, rows_update, values_insert
-from broker.tenancy.models import Tenant
+from broker.tenancy.services import tenants_lock
 
 # Jobs per transaction. PostgreSQL locks only the chunk's node, team and job rows: 1,000 hold them about
 # 0.6 s and commit 5,000 placements in 3.0-3.3 s where chunks of 250 took 4.1-4.8 s (bench.service). SQLite
@@ -111,7 +111,7 @@ def _commit_chunk(chunk: list[tuple[Job | JobRef, list[GpuRequest]]], result: Ba
     nodes = {n.pk: n for n in Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk")
              .defer(*NODE_JSON)}
     tenant_ids = sorted({job.tenant_id for job, _ in chunk})
-    list(Tenant.objects.select_for_update().filter(pk__in=tenant_ids).order_by("pk"))
+    tenants_lock(tenant_ids)
     pending = set(Job.objects.select_for_update().filter(pk__in=[job.pk for job, _ in chunk],
                                                          state=JobState.PENDING).values_list("pk", flat=True))
     pools = {n.pool_id for n in nodes.values()}

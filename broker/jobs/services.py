@@ -23,6 +23,7 @@ from broker.jobs.spec import Demand, spec_to_json
 from broker.jobs.states import TERMINAL_STATES, JobState, is_legal
 from broker.rows import CompiledRead, instance_with_child_insert
 from broker.tenancy.models import Quota, Tenant
+from broker.tenancy.services import tenants_lock
 
 
 class JobError(Exception):
@@ -232,7 +233,7 @@ def allocation_commit(*, job: Job, requests: list[GpuRequest], expected_state: s
         with transaction.atomic():
             node_ids = sorted({r.node.pk for r in requests})
             nodes = {n.pk: n for n in Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk")}
-            Tenant.objects.select_for_update().filter(pk=job.tenant_id).first()  # serialises quota checks
+            tenants_lock([job.tenant_id])  # serialises quota checks
             # A team may run on its own pools' nodes and on those of pools shared with it (PoolGrant).
             usable = usable_pool_ids(tenant_id=job.tenant_id, pool_ids={n.pool_id for n in nodes.values()})
             for node_id, node in nodes.items():

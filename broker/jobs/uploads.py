@@ -45,6 +45,7 @@ from django.utils import timezone
 from broker.jobs.models import Job, Upload, UploadKind
 from broker.jobs.states import TERMINAL_STATES
 from broker.tenancy.models import Tenant
+from broker.tenancy.services import tenants_lock
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def upload_receive(*, tenant: Tenant, owner, stream: IO[bytes] | None, content_l
                               f"not X-Content-SHA256's {declared[:12]}...; send it again.")
         summary = archive_inspect(part, kind=kind, max_unpacked=max_unpacked_bytes())
         with transaction.atomic():
-            Tenant.objects.select_for_update().filter(pk=tenant.pk).first()  # one upload of a team at a time
+            tenants_lock([tenant.pk])  # one upload of a team at a time
             existing = Upload.objects.filter(tenant=tenant, owner=owner, sha256=sha256, kind=kind).first()
             if existing is not None and blob_path(existing).is_file():
                 existing.created_at = timezone.now()

@@ -5,7 +5,7 @@ import functools
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -25,6 +25,17 @@ from broker.tenancy.models import (CU_FLAVOR, ApiToken, FairShareUsage, Membersh
 class CreatedToken:
     token: ApiToken
     secret: str  # the only time the plaintext exists
+
+
+def tenants_lock(tenant_ids: Iterable[int]) -> None:
+    """Lock the teams' rows until the transaction ends, in id order (two lockers cannot deadlock): what
+    serialises a team's quota checks and its uploads. FOR NO KEY UPDATE, not FOR UPDATE: a team's key never
+    changes, and FOR UPDATE also blocks every row inserted that refers to the team (the foreign-key check
+    of a submitted job takes FOR KEY SHARE on it), so each submission waited for a scheduling cycle's commit
+    to end. Lockers still exclude each other. Nothing on SQLite, whose writers take the whole database."""
+    list(Tenant.objects.select_for_update(no_key=True).filter(pk__in=sorted(set(tenant_ids))).order_by("pk")
+         .values_list("pk", flat=True))
+
 
 
 def tenant_create(*, slug: str, name: str) -> Tenant:

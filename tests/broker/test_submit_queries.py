@@ -11,7 +11,8 @@ from broker.tenancy.authentication import BearerTokenAuthentication
 from broker.tenancy.models import Membership, Role
 from broker.tenancy.services import api_token_authenticate, api_token_create, membership_add
 
-from .conftest import bearer
+from .conftest import bearer, requires_postgres
+from .test_api_tenancy import submit
 
 
 def _authenticate(secret: str):
@@ -189,3 +190,52 @@ def test_the_pending_jobs_are_counted_only_when_they_may_have_reached_the_limit(
     Quota.objects.filter(tenant=acme.tenant).update(max_pending_jobs=0)
     Job.objects.filter(tenant=acme.tenant).update(state="CANCELLED")
     assert submit() == (429, 1)
+
+
+@requires_postgres
+@pytest.mark.django_db(transaction=True)  # two connections: the cycle's thread and the submitter
+def test_a_submission_does_not_wait_for_a_scheduling_cycles_commit(acme, monkeypatch):
+    """A cycle's commit locks the team's row for its quota checks. A job submitted meanwhile refers to the
+    team, and while that lock was FOR UPDATE the new row's foreign-key check (FOR KEY SHARE) waited for the
+    commit to end: every submission stalled behind each chunk of a busy cycle."""
+    import threading
+
+    from django.db import connections
+
+    import broker.jobs.batch as batch
+    from broker.jobs.models import Job
+    from broker.jobs.states import JobState
+    from broker.scheduler.services import scheduling_cycle_run
+
+    placed = submit(acme, name="to-place")
+    locked, release = threading.Event(), threading.Event()
+    real_held_slots = batch.held_slots
+
+    def held_slots_after_a_pause(*args, **kwargs):  # called with the chunk's locks taken
+        locked.set()
+        release.wait(30)
+        return real_held_slots(*args, **kwargs)
+
+    monkeypatch.setattr(batch, "held_slots", held_slots_after_a_pause)
+
+    def cycle() -> None:
+        try:
+            scheduling_cycle_run(tenant=acme.tenant)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=cycle)
+    thread.start()
+    try:
+        assert locked.wait(30), "the cycle never reached its commit"
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '3s'")  # a blocked submission fails instead of hanging
+        meanwhile = submit(acme, name="meanwhile")
+        assert thread.is_alive()  # answered while the cycle still held its locks
+    finally:
+        release.set()
+        thread.join(60)
+        with connection.cursor() as cursor:
+            cursor.execute("RESET lock_timeout")
+    assert Job.objects.get(pk=meanwhile.pk).state == JobState.PENDING
+    assert Job.objects.get(pk=placed.pk).state != JobState.PENDING  # the cycle went on and placed it
