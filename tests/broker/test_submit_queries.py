@@ -193,6 +193,7 @@ def test_the_pending_jobs_are_counted_only_when_they_may_have_reached_the_limit(
 
 
 @requires_postgres
+@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)  # two connections: the cycle's thread and the submitter
 def test_a_submission_does_not_wait_for_a_scheduling_cycles_commit(acme, monkeypatch):
     """A cycle's commit locks the team's row for its quota checks. A job submitted meanwhile refers to the
