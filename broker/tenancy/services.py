@@ -37,7 +37,6 @@ def tenants_lock(tenant_ids: Iterable[int]) -> None:
          .values_list("pk", flat=True))
 
 
-
 def tenant_create(*, slug: str, name: str) -> Tenant:
     with transaction.atomic():
         tenant = Tenant.objects.create(slug=slug, name=name)
