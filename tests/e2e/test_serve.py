@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 import signal
+import urllib.error
+import urllib.request
 from datetime import datetime
 
 import pytest
@@ -34,6 +36,14 @@ def job(svc: Service, token: str, job_id: int) -> dict:
 
 def events(svc: Service, token: str, job_id: int, code: str) -> list[dict]:
     return [e for e in call(f"{jobs_url(svc)}{job_id}/events/", token)["results"] if e["reason_code"] == code]
+
+
+def anonymous_get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
 
 
 def demo_nodes_online(svc: Service, token: str) -> None:
@@ -70,6 +80,10 @@ def _make_run_three_times(var_dir, env) -> None:
         services.append(first)
         token = first.token("acme")
         demo_nodes_online(first, token)
+        # Off the API, an anonymous caller's 404 is the product's small page, not Django's debug page
+        # (which lists every URL pattern of the service).
+        status, body = anonymous_get(f"{first.base}/console/no-such-page/")
+        assert status == 404 and len(body) < 2000 and b"URLconf" not in body, body[:300]
         long = call(jobs_url(first), token, {"name": "long", "resources": {"gpus": 1, "gpu_models": ["T4"]},
                                              "command": ["/bin/sh", "-c", f"sleep 600; : {marker}"]})
         wait_state(first, token, long["id"], {"RUNNING"})

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from django.db import OperationalError
@@ -11,10 +15,12 @@ from broker.jobs.models import Job
 
 from .conftest import MINIMAL_SPEC
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture(params=[True, False], ids=["DEBUG=1", "DEBUG=0"])
 def debug(request, settings):
-    """DEBUG=1 is the development default (`make run`): Django would answer its HTML debug page."""
+    """DEBUG=1 (`DJANGO_DEBUG=1`, a developer's opt-in): Django would answer its HTML debug page."""
     settings.DEBUG = request.param
     return request.param
 
@@ -85,3 +91,16 @@ def test_drf_errors_keep_their_shape(acme, anon):
     assert anon.get("/api/v1/jobs/").json() == {"detail": "Authentication credentials were not provided."}
     assert acme.client.post("/api/v1/jobs/", {"name": "x"}, format="json").json()["resources"] == [
         "This field is required."]
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "False"), ("1", "True"), ("0", "False")])
+def test_debug_pages_are_off_unless_a_developer_turns_them_on(tmp_path, given, expected):
+    """`make run` runs without DJANGO_DEBUG or DJANGO_ENV: Django's debug pages (every URL pattern on a 404, a
+    traceback with the settings on an error) must not reach the callers of the demo service."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_DEBUG", "DJANGO_ENV", "DATABASE_URL", "REDIS_URL")}
+    env.update(WHALEZEN_VAR_DIR=str(tmp_path), DJANGO_SETTINGS_MODULE="broker.settings")
+    if given is not None:
+        env["DJANGO_DEBUG"] = given
+    shown = subprocess.run([sys.executable, "-c", "from django.conf import settings; print(settings.DEBUG)"],
+                           cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
+    assert shown == expected

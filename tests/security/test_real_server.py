@@ -1,4 +1,4 @@
-"""The issue's 488-byte alias bomb against the real web server `make run` starts (`broker.ops.web`, DEBUG on,
+"""The issue's 488-byte alias bomb against the real web server `make run` starts (`broker.ops.web`, DEBUG off as there,
 SQLite, demo data), through the lead's benchmark: the anonymous registration and a job submission."""
 from __future__ import annotations
 
