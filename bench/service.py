@@ -25,7 +25,8 @@ Parts (each per database kind of --db unless said otherwise):
   Alibaba models map to the catalogue by alias (V100M16 -> V100-16GB, V100M32 -> V100-32GB, T4, P100,
   A10); G1/G2/G3, which the trace does not name, map to V100-32GB (32 GB, as bench.scale counts them).
 - submissions: POST /api/v1/jobs/ from a bounded thread pool on loopback at concurrency 1, 8 and 32 against
-  the server `make run` starts (`serve --no-agents`: gunicorn gthread 1x16 plus Celery worker and beat) on
+  the server `make run` starts (`serve --no-agents`: gunicorn gthread, 2 processes x 16 threads, plus Celery
+  worker and beat) on
   SQLite, and against docker-compose.yml's service (gunicorn --workers 3, Celery worker and beat,
   production settings) on PostgreSQL + Redis. One server per database; the levels run one after another,
   so later levels see the earlier levels' jobs pending (the worker schedules them on the 4 demo nodes).
@@ -404,13 +405,14 @@ def measure_cycle(db: str, args: argparse.Namespace, say: Any) -> list[dict[str,
 def measure_submissions(db: str, args: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
     from bench.procs import data_server_cpu
     from bench.submit_load import fire, production_server, seeded_server, summarize
+    from broker.ops.web import WEB_THREADS, WEB_WORKERS
 
     out = []
     with tempfile.TemporaryDirectory(prefix="wz-bench-svc-sub-") as var, backend(db, args.redis_db) as db_env:
         prepare = _without_cloud_sim if args.no_cloud_sim else None
         if db == "sqlite":
             server_cm = seeded_server(Path(var), worker=True, prepare=prepare)
-            name = "make run (serve: gunicorn gthread 1x16 + worker)"
+            name = f"make run (serve: gunicorn gthread {WEB_WORKERS}x{WEB_THREADS} + worker)"
         else:
             server_cm = production_server(Path(var), db_env, prepare=prepare)
             name = "docker-compose (gunicorn --workers 3 + worker)"

@@ -1,6 +1,7 @@
 """Settings for the WhaleZen broker.
 
-Defaults give a self-contained service (SQLite, a file-based task queue, local-memory cache).
+Defaults give a self-contained service (SQLite, a file-based task queue, a local-memory cache; a disk cache
+shared by the web server's processes).
 `DATABASE_URL` switches to PostgreSQL, `REDIS_URL` to Redis for the task queue and the cache.
 `DJANGO_ENV=production` turns on the hardened settings that `manage.py check --deploy` expects.
 """
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import dj_database_url
 
-BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("WHALEZEN_VAR_DIR", BASE_DIR / "var"))
+from broker.var_dir import BASE_DIR, var_dir
+
+VAR_DIR = var_dir()
 
 
 def _close_var_dir(path: Path) -> None:
@@ -151,7 +153,14 @@ REDIS_URL = os.environ.get("REDIS_URL", "")
 if REDIS_URL:
     # Django's Redis cache, less a client object built per call (broker/ops/cache.py).
     CACHES = {"default": {"BACKEND": "broker.ops.cache.SharedClientRedisCache", "LOCATION": REDIS_URL}}
-else:
+elif os.environ.get("WHALEZEN_WEB_SHARED_DIR"):
+    # The processes of one web server (broker/ops/gunicorn_conf.py sets the directory): SQLite files, so that
+    # a rate limit counts every process's requests (broker/ops/cache.py).
+    CACHES = {"default": {"BACKEND": "broker.ops.cache.SharedDiskCache",
+                          "LOCATION": os.path.join(os.environ["WHALEZEN_WEB_SHARED_DIR"], "cache"),
+                          # One SQLite file: each thread opens every shard on its first use (8 by default).
+                          "SHARDS": 1}}
+else:  # one process: a management command, the worker, the tests
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 AUTH_PASSWORD_VALIDATORS = [

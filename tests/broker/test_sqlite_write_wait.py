@@ -1,12 +1,17 @@
 """The embedded SQLite backend's wait for another process's write lock (broker/sqlite/base.py).
 
 A transaction that finds the write lock held by another process (here a plain sqlite3 connection,
-as the Celery worker or a management command would hold it) waits for it and then runs, fails
-with "database is locked" only after the configured timeout and then holds nothing (neither this
-process's write lock nor a transaction), and statements outside a transaction wait as well.
+as a process without this backend would hold it) waits for it and then runs, fails with "database
+is locked" only after the configured timeout and then holds nothing (neither this process's write
+lock nor a transaction), and statements outside a transaction wait as well. Between processes that
+use the backend (the web server's processes, the Celery worker) a write transaction holds the
+database's lock file: the others queue on it, a forked child does not share its parent's, and one
+held past the timeout does not stop a write that SQLite itself allows.
 """
 from __future__ import annotations
 
+import fcntl
+import os
 import sqlite3
 import threading
 import time
@@ -16,7 +21,7 @@ import pytest
 from django.db import transaction
 from django.db.utils import ConnectionHandler, OperationalError
 
-from broker.sqlite.base import _write_lock
+from broker.sqlite.base import _lock_file, _take_file_lock, _write_lock
 
 
 @pytest.fixture
@@ -79,3 +84,64 @@ def test_an_autocommit_write_after_a_transaction_also_waits(file_database) -> No
     threading.Timer(0.2, lambda: holder.execute("COMMIT")).start()
     wrapper.cursor().execute("INSERT INTO t VALUES (3)")  # no transaction: waits, does not fail
     assert [row[0] for row in sqlite3.connect(path).execute("SELECT value FROM t ORDER BY value")] == [1, 2, 3]
+
+
+def lock_file_is_free(path: Path) -> bool:
+    """Whether another process could take the database's lock file now (a descriptor of its own)."""
+    fd = os.open(f"{path}-writelock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_write_transaction_holds_the_lock_file_until_it_ends(file_database) -> None:
+    path, wrapper = file_database
+    with transaction.atomic():
+        wrapper.cursor().execute("INSERT INTO t VALUES (1)")
+        assert not lock_file_is_free(path)
+    assert lock_file_is_free(path)
+    with pytest.raises(ZeroDivisionError):
+        with transaction.atomic():
+            wrapper.cursor().execute("INSERT INTO t VALUES (2)")
+            1 / 0
+    assert lock_file_is_free(path)  # a rollback gives it back too
+
+
+def test_a_transaction_queues_behind_another_process_holding_the_lock_file(file_database) -> None:
+    path, wrapper = file_database
+    other = os.open(f"{path}-writelock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    threading.Timer(0.2, lambda: os.close(other)).start()  # as when that process commits, or dies
+    started = time.monotonic()
+    with transaction.atomic():
+        wrapper.cursor().execute("INSERT INTO t VALUES (1)")
+    waited = time.monotonic() - started
+    assert 0.19 <= waited < 0.45  # it waited for the file lock, not for the 0.5 s timeout
+
+
+def test_a_lock_file_held_past_the_timeout_does_not_stop_a_write_sqlite_allows(file_database) -> None:
+    path, wrapper = file_database
+    other = os.open(f"{path}-writelock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(other, fcntl.LOCK_EX)  # a process stopped while holding it, say
+    try:
+        with transaction.atomic():
+            wrapper.cursor().execute("INSERT INTO t VALUES (1)")
+    finally:
+        os.close(other)
+    assert [row[0] for row in sqlite3.connect(path).execute("SELECT value FROM t")] == [1]
+    assert lock_file_is_free(path)
+
+
+def test_a_forked_child_does_not_share_its_parents_lock_file(file_database) -> None:
+    path, wrapper = file_database
+    with transaction.atomic():
+        wrapper.cursor().execute("INSERT INTO t VALUES (1)")
+        pid = os.fork()
+        if pid == 0:  # the child: with its parent's descriptor it would "take" the lock its parent holds
+            os._exit(0 if not _take_file_lock(_lock_file(str(path)), 0.05) else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child took the lock its parent held"
