@@ -4,12 +4,11 @@ the tests that need a real server all run this same command, so what they measur
 gunicorn (the production WSGI server, already a dependency), `WEB_WORKERS` processes of `WEB_THREADS`
 threads each:
 - several processes, because one Python process runs its threads one at a time (the GIL): at 32
-  concurrent submitters one process was the bottleneck at about 1 core (4-5 ms of CPU per submission,
-  220-340 submissions/s, p99 260-440 ms on the embedded default) while the machine's second core was
-  free; two processes serve 500-540/s with a p99 of 170-190 ms (bench/README.md §10). What they must
-  share is shared through files (broker/ops/gunicorn_conf.py): rate limits and /metrics' request
-  counts. The embedded SQLite's writers queue on a lock within a process (broker/sqlite/) and on
-  SQLite's own lock between processes;
+  concurrent submitters one process was the bottleneck at about a core (4-5 ms of CPU per submission)
+  while the machine's second core had room; on the embedded default two served 377-398 submissions/s
+  where one served 202-230 (bench/README.md §10). What they must count once is shared through files
+  (broker/ops/gunicorn_conf.py): rate limits and /metrics' request counts. The embedded SQLite's
+  writers queue on a lock within a process and on a lock file between processes (broker/sqlite/);
 - threads, so slow requests don't block each other (Django's `runserver` is threaded too);
 - a listen backlog of 2048: `runserver` keeps Python's default of 10, and at 32 concurrent
   submitters it reset connections before the application ever saw them (issue 8 item 10).
