@@ -38,11 +38,16 @@ def _write_lock(name: str) -> threading.Lock:
         return _locks.setdefault(name, threading.Lock())
 
 
-def _lock_file(name: str) -> int:
-    """This process's descriptor of the database's lock file (called with the process's write lock held)."""
+def _lock_file(name: str) -> int | None:
+    """This process's descriptor of the database's lock file (called with the process's write lock held);
+    None where it cannot be opened (a directory that is not ours to write): SQLite's busy handler alone
+    then, as before there was a lock file."""
     fd = _lock_files.get(name)
     if fd is None:
-        fd = _lock_files[name] = os.open(f"{name}-writelock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = _lock_files[name] = os.open(f"{name}-writelock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
     return fd
 
 
@@ -109,7 +114,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
                 self._held_lock = lock
                 try:
                     fd = _lock_file(name)
-                    if _take_file_lock(fd, max(0.0, timeout - (time.monotonic() - started))):
+                    if fd is not None and _take_file_lock(fd, max(0.0, timeout - (time.monotonic() - started))):
                         self._held_file = fd
                 except BaseException:
                     self._release_write_lock()

@@ -145,3 +145,19 @@ def test_a_forked_child_does_not_share_its_parents_lock_file(file_database) -> N
             os._exit(0 if not _take_file_lock(_lock_file(str(path)), 0.05) else 1)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child took the lock its parent held"
+
+
+def test_where_the_lock_file_cannot_be_made_writes_still_run(file_database, monkeypatch) -> None:
+    """A database in a directory that is not ours to write: SQLite's busy handler alone, as before."""
+    path, wrapper = file_database
+    real_open = os.open
+
+    def refuse_lock_file(name, *args, **kwargs):
+        if str(name).endswith("-writelock"):
+            raise PermissionError(13, "Permission denied", name)
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse_lock_file)
+    with transaction.atomic():
+        wrapper.cursor().execute("INSERT INTO t VALUES (1)")
+    assert [row[0] for row in sqlite3.connect(path).execute("SELECT value FROM t")] == [1]
