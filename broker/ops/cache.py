@@ -11,7 +11,6 @@ the pool) and its pool reconnects after a fork, so one per server and process do
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import threading
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ from typing import Any
 
 from diskcache import DjangoCache
 from django.core.cache.backends.redis import RedisCache, RedisCacheClient
+
+from broker import file_locks
 
 
 class SharedClientRedisCacheClient(RedisCacheClient):
@@ -70,12 +71,12 @@ class SharedDiskCache(DjangoCache):
     @contextlib.contextmanager
     def _counting(self) -> Iterator[None]:
         with _COUNTING:
-            fd = _counter_lock_fd(self._lock_path)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fd = file_locks.lock_descriptor(self._lock_path)
+            file_locks.take(fd)
             try:
                 yield
             finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                file_locks.give_back(fd)
 
     def window_hit(self, current: str, previous: str, timeout: int) -> tuple[int, int]:
         """broker/api/throttling.py's counting: one more in `current` (kept `timeout` seconds from its
@@ -98,24 +99,11 @@ class SharedDiskCache(DjangoCache):
 
 
 _COUNTING = threading.Lock()  # one thread of the process at a time holds the lock file
-_counter_fds: dict[str, int] = {}
-
-
-def _counter_lock_fd(path: str) -> int:
-    """This process's descriptor of a lock file (a `flock` belongs to the open file: a forked child opens
-    its own, see `_fresh_in_child`)."""
-    fd = _counter_fds.get(path)
-    if fd is None:
-        fd = _counter_fds[path] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    return fd
 
 
 def _fresh_in_child() -> None:
     global _COUNTING
     _COUNTING = threading.Lock()
-    for fd in _counter_fds.values():
-        os.close(fd)
-    _counter_fds.clear()
 
 
 os.register_at_fork(after_in_child=_fresh_in_child)

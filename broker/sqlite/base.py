@@ -19,18 +19,16 @@ and must not wait on a test's own outer transaction.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
 
 from django.db.backends.sqlite3 import base
 
+from broker import file_locks
+
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
-_lock_files: dict[str, int] = {}  # database -> this process's descriptor of its -writelock file
-# How often a writer asks again for the file lock another process holds.
-FILE_LOCK_POLL_S = 0.0005
 
 
 def _write_lock(name: str) -> threading.Lock:
@@ -42,38 +40,19 @@ def _lock_file(name: str) -> int | None:
     """This process's descriptor of the database's lock file (called with the process's write lock held);
     None where it cannot be opened (a directory that is not ours to write): SQLite's busy handler alone
     then, as before there was a lock file."""
-    fd = _lock_files.get(name)
-    if fd is None:
-        try:
-            fd = _lock_files[name] = os.open(f"{name}-writelock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return None
-    return fd
-
-
-def _take_file_lock(fd: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(FILE_LOCK_POLL_S)
+    try:
+        return file_locks.lock_descriptor(f"{name}-writelock")
+    except OSError:
+        return None
 
 
 def _fresh_locks_in_child() -> None:
     """A forked child (a prefork worker, a preloading server) must not inherit a lock that a thread of
-    its parent held at the fork: nobody in the child would ever release it. Nor its parent's lock-file
-    descriptors: a `flock` belongs to the open file, which parent and child would share, so neither
-    would exclude the other; the child opens its own."""
+    its parent held at the fork: nobody in the child would ever release it. (The lock file's descriptors
+    are broker/file_locks.py's, which a child opens afresh.)"""
     global _locks_guard
     _locks_guard = threading.Lock()
     _locks.clear()
-    for fd in _lock_files.values():
-        os.close(fd)  # the parent keeps its own copy, and with it any lock it holds
-    _lock_files.clear()
 
 
 os.register_at_fork(after_in_child=_fresh_locks_in_child)
@@ -114,7 +93,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
                 self._held_lock = lock
                 try:
                     fd = _lock_file(name)
-                    if fd is not None and _take_file_lock(fd, max(0.0, timeout - (time.monotonic() - started))):
+                    if fd is not None and file_locks.take(fd, max(0.0, timeout - (time.monotonic() - started))):
                         self._held_file = fd
                 except BaseException:
                     self._release_write_lock()
@@ -130,7 +109,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
         lock, self._held_lock = self._held_lock, None
         try:
             if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                file_locks.give_back(fd)
         finally:
             if lock is not None:
                 lock.release()

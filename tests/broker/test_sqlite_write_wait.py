@@ -21,7 +21,8 @@ import pytest
 from django.db import transaction
 from django.db.utils import ConnectionHandler, OperationalError
 
-from broker.sqlite.base import _lock_file, _take_file_lock, _write_lock
+from broker import file_locks
+from broker.sqlite.base import _lock_file, _write_lock
 
 
 @pytest.fixture
@@ -142,7 +143,7 @@ def test_a_forked_child_does_not_share_its_parents_lock_file(file_database) -> N
         wrapper.cursor().execute("INSERT INTO t VALUES (1)")
         pid = os.fork()
         if pid == 0:  # the child: with its parent's descriptor it would "take" the lock its parent holds
-            os._exit(0 if not _take_file_lock(_lock_file(str(path)), 0.05) else 1)
+            os._exit(0 if not file_locks.take(_lock_file(str(path)), 0.05) else 1)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child took the lock its parent held"
 
