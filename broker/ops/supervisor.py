@@ -37,6 +37,8 @@ class ChildSpec:
     # names the port it got, for its bridge). Started beside it, the child would fail and be restarted on
     # every start of the service.
     after_file: Path | None = None
+    # Raised by this much (nice) at start: a background child then yields the cores to the others.
+    niceness: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,14 @@ def signal_on_parent_death(sig: int, parent_pid: int) -> bool:
     return os.getppid() == parent_pid
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: the child gets SIGKILL when `serve` dies, however it dies."""
+def _die_with_parent(parent_pid: int, niceness: int = 0) -> Callable[[], None]:
+    """preexec_fn: the child gets SIGKILL when `serve` dies, however it dies; and its niceness."""
 
     def setup() -> None:
         if not signal_on_parent_death(signal.SIGKILL, parent_pid):
             os._exit(1)
+        if niceness > 0:
+            os.nice(niceness)
 
     return setup
 
@@ -131,7 +135,7 @@ class Supervisor:
         with spec.log_path.open("ab") as log:
             child.process = subprocess.Popen(
                 list(spec.argv), cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, process_group=0, preexec_fn=_die_with_parent(os.getpid()))
+                stderr=subprocess.STDOUT, process_group=0, preexec_fn=_die_with_parent(os.getpid(), spec.niceness))
         child.started_at, child.restart_at = self._clock(), None
         self.log(f"{spec.name} started (pid {child.process.pid}, log {spec.log_path})")
         self._write_state()

@@ -193,6 +193,34 @@ def test_a_child_that_needs_another_childs_file_starts_once_it_is_there_without_
     assert (tmp_path / "bridge.log").read_text().startswith("port")
 
 
+def test_a_background_child_starts_at_its_niceness_and_keeps_it_when_restarted(tmp_path):
+    # serve's worker runs below the web server (WORKER_NICENESS): a restarted worker must not come back at 0.
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    worker = ChildSpec("worker", ["/bin/sh", "-c", "sleep 60"], dict(os.environ), tmp_path / "worker.log", niceness=5)
+    web = _spec(tmp_path, "web", "sleep 60")
+    supervisor = Supervisor([worker, web], log=lambda line: None, backoff=Backoff(initial_s=0.1))
+    supervisor.start()
+    child = supervisor.children["worker"]
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, child.process.pid) == min(19, mine + 5)
+        assert os.getpriority(os.PRIO_PROCESS, supervisor.children["web"].process.pid) == mine
+        pid = child.process.pid
+        os.kill(pid, signal.SIGKILL)
+        _poll_until(supervisor, lambda: child.process is not None and child.process.pid != pid, 10)
+        assert os.getpriority(os.PRIO_PROCESS, child.process.pid) == min(19, mine + 5)
+    finally:
+        supervisor.stop(grace_s=2)
+
+
+def test_serve_runs_the_worker_below_the_web_server(tmp_path):
+    from broker.ops.management.commands.serve import Command
+
+    specs = {spec.name: spec for spec in Command()._specs(
+        {"host": "127.0.0.1", "port": 8000, "no_worker": False, "no_agents": True}, "http://127.0.0.1:8000", tmp_path)}
+    assert specs["web"].niceness == 0 and specs["beat"].niceness == 0
+    assert specs["worker"].niceness > 0
+
+
 def test_stop_reaches_the_whole_group_and_kills_what_ignores_sigterm(tmp_path):
     # A child that ignores SIGTERM and has a grandchild in its group: both must be gone after stop().
     stubborn = _spec(tmp_path, "worker", "trap '' TERM; sleep 300 & sleep 301; wait")

@@ -33,6 +33,11 @@ from broker.ops.services import local_instances_recover
 from broker.ops.web import web_command
 from broker.ops.supervisor import Backoff, ChildSpec, Supervisor, signal_on_parent_death, stop_leftovers
 
+# The worker (scheduling cycles, launches) runs below the web server and above the demo nodes' agents and
+# jobs (nice 10, providers/local): on a loaded machine requests are answered first, and a cycle waits a
+# little rather than a user.
+WORKER_NICENESS = int(os.environ.get("WHALEZEN_WORKER_NICE", 5))
+
 
 def _env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
@@ -112,7 +117,7 @@ class Command(BaseCommand):
         if not options["no_worker"]:
             celery = [python, "-m", "celery", "-A", "broker"]
             specs.append(ChildSpec("worker", celery + ["worker", "--pool", "solo", "--loglevel", "INFO"], env,
-                                   log_dir / "worker.log", cwd=root))
+                                   log_dir / "worker.log", cwd=root, niceness=WORKER_NICENESS))
             # A process of its own (not `worker -B`): a dead beat is noticed and restarted on its own.
             # No pidfile: the supervisor is what keeps a second beat from starting.
             specs.append(ChildSpec("beat", celery + ["beat", "--loglevel", "INFO", "--pidfile=",
