@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from django.db import connections
 
 from tests.broker.conftest import _fresh_cache, acme, globex, gpu_models  # noqa: F401  (fixtures)
 
@@ -37,6 +38,11 @@ def chromium(monkeypatch):
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         yield browser
         browser.close()
+        # While the loop runs, Django keeps this thread's connections apart from the usual ones (asgiref's
+        # storage per running loop): a fixture's query then (the users' passwords) opened one that nothing
+        # closed, and on PostgreSQL the test database could not be dropped at the end of the run ("being
+        # accessed by other users"). Closed here, with the loop still running, so it is that storage's.
+        connections.close_all()
 
 
 class Session:
