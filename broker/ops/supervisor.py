@@ -75,8 +75,8 @@ def signal_on_parent_death(sig: int, parent_pid: int) -> bool:
     return os.getppid() == parent_pid
 
 
-def _die_with_parent(parent_pid: int, niceness: int = 0) -> Callable[[], None]:
-    """preexec_fn: the child gets SIGKILL when `serve` dies, however it dies; and its niceness."""
+def _child_setup(parent_pid: int, niceness: int = 0) -> Callable[[], None]:
+    """preexec_fn: the child gets SIGKILL when `serve` dies, however it dies, and starts at its niceness."""
 
     def setup() -> None:
         if not signal_on_parent_death(signal.SIGKILL, parent_pid):
@@ -135,7 +135,7 @@ class Supervisor:
         with spec.log_path.open("ab") as log:
             child.process = subprocess.Popen(
                 list(spec.argv), cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, process_group=0, preexec_fn=_die_with_parent(os.getpid(), spec.niceness))
+                stderr=subprocess.STDOUT, process_group=0, preexec_fn=_child_setup(os.getpid(), spec.niceness))
         child.started_at, child.restart_at = self._clock(), None
         self.log(f"{spec.name} started (pid {child.process.pid}, log {spec.log_path})")
         self._write_state()
