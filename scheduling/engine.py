@@ -9,6 +9,8 @@
    admits workloads that do not borrow before those that do: first every team's jobs on owned
    capacity within its unused nominal quota (no launches), then the rest, borrowing idle owned
    capacity (fair share orders the borrowers) or renting, on what the first phase left.
+   Within a team, like jobs then start oldest first (`scheduling/start_order.py`): the younger
+   ones wait for new instances' boots.
 3. For jobs still held back by capacity: reclaim of borrowed capacity for jobs within their
    team's nominal quota, preemption plan (within a team), then defragmentation plan.
 4. Consolidation: empty rented instances whose jobs cost less elsewhere.
@@ -38,6 +40,7 @@ from scheduling.preemption import plan_preemptions, plan_reclaims, waits_for_bor
 from scheduling.problem import Problem, build_problem, workload_classes
 from scheduling.quota import quota_governed
 from scheduling.quota_reasons import annotate_quota_steps
+from scheduling.start_order import start_oldest_first
 
 # Share of the cycle's time limit the MILP may use (LP, phase two, full model).
 MILP_SHARE = 0.5
@@ -101,6 +104,9 @@ def _schedule(snapshot: Snapshot, policy: Policy | None) -> Plan:
         budget = min(policy.max_consolidation_moves, policy.max_moves_per_cycle - len(migrations))
         migrations += plan_consolidation(problem, book, busy, budget)
 
+    # Last: what is pending, reclaimed or moved above does not depend on which like job holds which
+    # placement, and a job swapped into the nominal phase's placements must not count as pending.
+    start_oldest_first({job.job_id: job for job in snapshot.pending}, book, nominal_placements)
     book.compact_instances()
     reasons.update(early)
     if book.quota is not None:

@@ -70,10 +70,16 @@ _KEY_FIELDS = tuple(f.name for f in dataclasses.fields(JobDemand)
                     if f.name not in ("job_id", "tenant", "submitted_at", "expected_duration_hours"))
 
 
+def class_fields(job: JobDemand) -> tuple:
+    """Every demand field but the job's identity, team, submission time and expected duration: two
+    jobs of one team with the same fields can take each other's placement."""
+    return tuple(getattr(job, name) for name in _KEY_FIELDS)
+
+
 def _class_key(job: JobDemand, tenant_group: dict[str, str]) -> tuple:
     """Everything that decides where a job may go and what it costs per hour; the team only as far as
     it changes that (`tenant_groups`)."""
-    return (tenant_group.get(job.tenant, job.tenant),) + tuple(getattr(job, name) for name in _KEY_FIELDS)
+    return (tenant_group.get(job.tenant, job.tenant),) + class_fields(job)
 
 
 def tenant_groups(snapshot: Snapshot, quota: QuotaLedger | None) -> dict[str, str]:
