@@ -57,6 +57,7 @@ def test_fairshare_json_shape_and_quota_behaviour(tmp_path: Path, capsys: pytest
     assert set(pols) == {"whalezen", "strict-quota", "kueue-borrow", "fifo"}
     for s in pols.values():
         assert GOAL_KEYS <= set(s)
+        assert round(s["queue_p95_s"] / 3600.0, 3) == s["queue_p95_h"]  # the same p95, in seconds
         assert 0 < s["utilisation_pct"] <= 100 and s["rented_dollars"] > 0  # cc's job is always rented
         assert 0 < s["jain"] <= 1 and 0 < s["jain_guarantee"] <= 1
         assert s["unstarted"] == 0 and set(s["teams"]) == {"vc-aa", "vc-bb", "vc-cc"}
