@@ -33,20 +33,20 @@ def start_oldest_first(jobs: dict[str, JobDemand], book: Book, earlier: dict[str
         return earlier if job_id in earlier else book.placements
 
     placed = [jobs[job_id] for job_id in [*earlier, *book.placements] if job_id in jobs]
+    booting = {job.job_id for job in placed if _waits_for_boot(home(job.job_id)[job.job_id])}
     # Only jobs like one that waits for a boot can swap; a cheap key first (5,000 jobs, 66 launches:
     # the full key of every job cost 2-3% of bench.scale's cycle).
-    booting = {_quick_key(job) for job in placed if _waits_for_boot(home(job.job_id)[job.job_id])}
+    booting_keys = {_quick_key(jobs[job_id]) for job_id in booting}
     groups: dict[tuple, list[JobDemand]] = {}
     for job in placed:
-        if _quick_key(job) in booting and not _has_budget(book, job):
+        if _quick_key(job) in booting_keys and not _has_budget(book, job):
             groups.setdefault((job.tenant, class_fields(job)), []).append(job)
     swaps = 0
     for members in groups.values():
         if len(members) < 2:
             continue
-        waiting = sorted((j for j in members if _waits_for_boot(home(j.job_id)[j.job_id])),
-                         key=lambda j: (j.submitted_at, j.job_id))
-        at_once = sorted((j for j in members if not _waits_for_boot(home(j.job_id)[j.job_id])),
+        waiting = sorted((j for j in members if j.job_id in booting), key=lambda j: (j.submitted_at, j.job_id))
+        at_once = sorted((j for j in members if j.job_id not in booting),
                          key=lambda j: (j.submitted_at, j.job_id), reverse=True)
         for older, newer in zip(waiting, at_once):
             if (older.submitted_at, older.job_id) >= (newer.submitted_at, newer.job_id):
