@@ -80,6 +80,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--home-weight", type=_non_negative, default=None,
                    help="whalezen-online's weight of the scarce-homes term (default: the policy's own, 1; "
                         "0 turns it off); for sweeps")
+    p.add_argument("--stranding-alpha", type=_non_negative, default=None,
+                   help="whalezen-online's weight of the CPU/memory stranding term (default: the policy's own, 2; "
+                        "0 turns it off); for sweeps")
     p.add_argument("--no-bound", action="store_true", help="skip the LP upper bound")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--placements-out", help="CSV of one policy's placements for the first seed")
@@ -205,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                  max_moves=args.broker_moves)
             else:
                 policy = make_policy(name, workload, lookahead_powers=args.lookahead_power,
-                                     tasks=seed_tasks, home_weight=args.home_weight)
+                                     tasks=seed_tasks, home_weight=args.home_weight,
+                                     stranding_alpha=args.stranding_alpha)
                 run = run_online(cluster, arrivals, policy, rng, record)
             seconds[name] += time.perf_counter() - t0
             runs[name].append(run)
@@ -223,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     # null: whalezen-online's own
                     "lookahead_power": list(args.lookahead_power) if args.lookahead_power else None,
                     "home_weight": args.home_weight,  # null: whalezen-online's own
+                    "stranding_alpha": args.stranding_alpha,  # null: whalezen-online's own
                     "upper_bound_unallocated_at_130": (
                         round(total_gpus - float(np.mean(bounds)) / MILLI, 1) if bounds else None),
                     "upper_bound_unallocated_at_100": (

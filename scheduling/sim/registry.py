@@ -17,10 +17,12 @@ ONLINE_POLICIES: tuple[str, ...] = (
 
 
 def make_policy(name: str, workload: Workload, *, lookahead_powers: Sequence[float] | None = None,
-                tasks: Sequence[TaskSpec] | None = None, home_weight: float | None = None) -> Policy:
+                tasks: Sequence[TaskSpec] | None = None, home_weight: float | None = None,
+                stranding_alpha: float | None = None) -> Policy:
     """A fresh online policy; ``workload`` is the task mix that FGD-style measures use.
     whalezen-online only: ``lookahead_powers`` replaces its look-ahead horizons, and
-    ``home_weight`` its scarce-homes weight (for sweeps); ``tasks`` is the whole task list, from
+    ``home_weight`` its scarce-homes weight and ``stranding_alpha`` the weight of its CPU/memory
+    stranding term (for sweeps); ``tasks`` is the whole task list, from
     which it derives the scarce homes (without it that term is off)."""
     if name == "fgd":
         return FGDPolicy(workload)
@@ -30,6 +32,8 @@ def make_policy(name: str, workload: Workload, *, lookahead_powers: Sequence[flo
             options["powers"] = tuple(lookahead_powers)
         if home_weight is not None:
             options["home_weight"] = home_weight
+        if stranding_alpha is not None:
+            options["alpha"] = stranding_alpha
         return WhaleZenOnline(workload, **options)  # type: ignore[arg-type]
     try:
         return BASELINES[name]()

@@ -158,34 +158,35 @@ def test_whalezen_batch_placements_are_refused(tmp_path: Path) -> None:
                             "--placements-policy", "whalezen-batch"])
 
 
-def test_the_lookahead_power_and_home_weight_reach_whalezen_online_and_only_sound_values_are_taken(
+def test_the_sweep_flags_reach_whalezen_online_and_only_sound_values_are_taken(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from scheduling.sim import registry
 
-    used: list[tuple[tuple[float, ...], float, int]] = []
+    used: list[tuple[tuple[float, ...], float, float, int]] = []
 
     class Recording(registry.WhaleZenOnline):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            used.append((self.powers, self.home_weight, len(self.tasks or ())))
+            used.append((self.powers, self.home_weight, self.alpha, len(self.tasks or ())))
 
     monkeypatch.setattr(registry, "WhaleZenOnline", Recording)
     npath, ppath = write_data(tmp_path)
     tasks = len(read_tasks(str(ppath)))
     common = ["--nodes", str(npath), "--pods", str(ppath), "--seeds", "2", "--policies", "whalezen-online,fgd",
               "--no-bound", "--json"]
-    fragmentation.main(common + ["--lookahead-power", "4", "--home-weight", "0.5"])
-    assert used == [((4.0,), 0.5, tasks)] * 2  # one policy per seed, fgd untouched, the whole list given
+    fragmentation.main(common + ["--lookahead-power", "4", "--home-weight", "0.5", "--stranding-alpha", "3"])
+    assert used == [((4.0,), 0.5, 3.0, tasks)] * 2  # one policy per seed, fgd untouched, the whole list given
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (last["lookahead_power"], last["home_weight"]) == ([4.0], 0.5)
+    assert (last["lookahead_power"], last["home_weight"], last["stranding_alpha"]) == ([4.0], 0.5, 3.0)
     used.clear()
     fragmentation.main(common + ["--lookahead-power", "1,6"])
-    assert used == [((1.0, 6.0), 1.0, tasks)] * 2
+    assert used == [((1.0, 6.0), 1.0, 2.0, tasks)] * 2
     used.clear()
     fragmentation.main(common)
-    assert used == [((2.0, 10.0), 1.0, tasks)] * 2  # the policy's own
+    assert used == [((2.0, 10.0), 1.0, 2.0, tasks)] * 2  # the policy's own
     for flag, bad in (("--lookahead-power", "0"), ("--lookahead-power", "-2"), ("--lookahead-power", "x"),
                       ("--lookahead-power", "2,"), ("--lookahead-power", "2,0"),
-                      ("--home-weight", "-1"), ("--home-weight", "nan"), ("--home-weight", "inf")):
+                      ("--home-weight", "-1"), ("--home-weight", "nan"), ("--home-weight", "inf"),
+                      ("--stranding-alpha", "-0.5"), ("--stranding-alpha", "nan")):
         with pytest.raises(SystemExit):
             fragmentation.main(common + [flag, bad])
