@@ -10,17 +10,27 @@ of it a shape's stranding credited in full while mapping piled the jobs on one o
 it may go (each owned node of its candidate shapes this cycle changed, one untouched node per
 shape, every instance already launched for its candidate offers) and moves it to the cheapest
 when that lowers the objective; passes repeat until one moves nothing, and in small cycles pairs
-of jobs are exchanged when no single move helps. No move leaves more GPUs partly shared out
-(`_split_gpus`). Only the terms a move touches are re-scored (the jobs' own costs, the two nodes
-or instances); the work is bounded by a count of trials, not a clock, so the plan stays
-identical for identical input.
+of jobs are exchanged when no single move helps. Only the terms a move touches are re-scored (the
+jobs' own costs, the two nodes or instances); the work is bounded by a count of trials, not a
+clock, so the plan stays identical for identical input.
+
+Shares (a fraction of one GPU) never move: the objective prices a share by its node shape as the
+cycle found it, blind to which GPU it splits and to the sliver it leaves beside another share, so
+its moves undo good splits. Moves that spread shares over fresh GPUs cost the FGD protocol 180
+GPUs (407 against 263 unallocated at 130%); even limited to GPUs already split, moving the MILP's
+shares left 743.5 GPUs unallocated on the share-heavy list (seed 42) against 735.7 with shares
+kept where mapping put them. Whole-GPU and CPU-only jobs take and free whole GPUs only, so no move
+changes how many GPUs are split.
+
+The engine runs it on the MILP's mapped answer (what it repairs), not on greedy's, whose every
+placement was priced at the node it took (`scheduling/engine.py`).
 """
 
 from __future__ import annotations
 
 from scheduling.book import Book, Instance, launch_id
 from scheduling.capacity import NodeCapacity
-from scheduling.model import WHOLE_GPU_MILLI, JobDemand, Placement, PlacementPart
+from scheduling.model import JobDemand, Placement, PlacementPart
 from scheduling.objective import instance_cost, owned_node_cost, placement_cost, shape_of_node
 from scheduling.problem import Candidate, Problem
 
@@ -85,7 +95,8 @@ def improve(problem: Problem, book: Book, original: list[NodeCapacity]) -> int:
     how many moves were made."""
     scorer = _Scorer(problem, book, original)
     movable = [job_id for job_id in sorted(book.placements)
-               if job_id in problem.class_of and max(1, problem.jobs_by_id[job_id].nodes) == 1]
+               if job_id in problem.class_of and max(1, problem.jobs_by_id[job_id].nodes) == 1
+               and not _is_share(problem.jobs_by_id[job_id])]
     # One pass prices about this many destinations; a cycle that big is left as mapped (all or
     # nothing, so that no job is favoured by its place in the order).
     if _destinations_exceed(problem, scorer, movable, MAX_TRIALS):
@@ -143,7 +154,6 @@ def _swap(problem: Problem, book: Book, scorer: _Scorer, a: JobDemand, b: JobDem
         return 0, False
     cap_a, instance_a = book.capacity_of(placed_a.parts[0])
     cap_b, instance_b = book.capacity_of(placed_b.parts[0])
-    split_before = _split_gpus(cap_a) + _split_gpus(cap_b)
     jobs_a, jobs_b = scorer.jobs_on[unit_a], scorer.jobs_on[unit_b]
     before = (placement_cost(problem, a, placed_a) + placement_cost(problem, b, placed_b)
               + scorer.cost(unit_a, cap_a, instance_a, jobs_a) + scorer.cost(unit_b, cap_b, instance_b, jobs_b))
@@ -163,8 +173,7 @@ def _swap(problem: Problem, book: Book, scorer: _Scorer, a: JobDemand, b: JobDem
                      + placement_cost(problem, b, _placement_at(problem, b, cands_b[target_a], cap_a, instance_a,
                                                                 positions_b))
                      + scorer.cost(unit_a, cap_a, instance_a, jobs_a) + scorer.cost(unit_b, cap_b, instance_b, jobs_b))
-            if _split_gpus(cap_a) + _split_gpus(cap_b) <= split_before:
-                gain = before - after
+            gain = before - after
     for cap, (milli, memory, cpu, mem) in zip((cap_a, cap_b), saved):
         cap.free_milli, cap.free_memory, cap.free_cpu, cap.free_mem = milli, memory, cpu, mem
     if gain > MIN_GAIN and book.admits(a, problem.targets[target_b]):
@@ -196,10 +205,8 @@ def _relocate(problem: Problem, book: Book, scorer: _Scorer, job: JobDemand) -> 
     before = placement_cost(problem, job, placement) + scorer.cost(source_unit, source_cap, source_instance,
                                                                    jobs_at_source)
     target = problem.targets[source_target]
-    split_before = _split_gpus(source_cap)
     slots = book.unplace(job, target, source_candidate.part)
     freed = scorer.cost(source_unit, source_cap, source_instance, jobs_at_source - 1)
-    split_left = split_before - _split_gpus(source_cap)  # shared GPUs the move may open elsewhere
 
     best: tuple[float, Unit, NodeCapacity, Instance | None, tuple[int, ...], Candidate] | None = None
     trials = 0
@@ -211,13 +218,9 @@ def _relocate(problem: Problem, book: Book, scorer: _Scorer, job: JobDemand) -> 
         jobs_there = scorer.jobs_on.get(unit, 0)
         old = scorer.cost(unit, cap, instance, jobs_there)
         saved = (list(cap.free_milli), list(cap.free_memory), cap.free_cpu, cap.free_mem)
-        split_there = _split_gpus(cap)
         cap.take(positions, candidate.part)
         new = scorer.cost(unit, cap, instance, jobs_there + 1)
-        splits = _split_gpus(cap) - split_there > split_left
         cap.free_milli, cap.free_memory, cap.free_cpu, cap.free_mem = saved
-        if splits:
-            continue
         there = _placement_at(problem, job, candidate, cap, instance, positions)
         delta = placement_cost(problem, job, there) + new - old + freed - before
         if delta < -MIN_GAIN and (best is None or delta < best[0] - MIN_GAIN):
@@ -291,11 +294,9 @@ def _placement_at(problem: Problem, job: JobDemand, candidate: Candidate, cap: N
     return Placement(job.job_id, (part,), target.gpu_model, problem.pricing.hourly_price(job, target), target.spot)
 
 
-def _split_gpus(cap: NodeCapacity) -> int:
-    """GPUs partly shared out. A move may not add one: the objective prices only the whole GPUs a
-    share opens, not the sliver it leaves beside it, and moves that spread shares over fresh GPUs
-    for a little less CPU stranding cost the FGD protocol 180 GPUs (407 against 263 unallocated)."""
-    return sum(1 for milli in cap.free_milli if 0 < milli < WHOLE_GPU_MILLI)
+def _is_share(job: JobDemand) -> bool:
+    """A fraction of one GPU (module docstring: shares never move)."""
+    return job.gpus > 0 and job.is_fractional
 
 
 def _target_of(problem: Problem, unit: Unit) -> int:

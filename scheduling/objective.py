@@ -16,9 +16,17 @@ exact model's optimum a true lower bound for the others (the optimality gap is n
 
 The total is a sum of local terms (one per placement, per owned node, per used instance), so
 `improve` can price a move by re-scoring only what the move touched.
+
+`end_state_cost` scores the same money, waiting and instances, but each owned node by the measure
+of the state the answer leaves it in (how shares split its GPUs, its CPU and memory as placed).
+The engine keeps the MILP's or greedy's answer by it: under the linear term the MILP's answer won
+cycles where its shares left slivers that greedy's did not (share-heavy list, seed 42, GPUs left
+unallocated at 130%: 740.4 keeping by `evaluate`, 735.7 by the end state; scheduling/engine.py).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from scheduling.book import Book, Instance, launch_id
 from scheduling.capacity import NodeCapacity
@@ -28,6 +36,32 @@ from scheduling.problem import Problem
 
 
 def evaluate(problem: Problem, book: Book, original: list[NodeCapacity] | None = None) -> float:
+    total = _jobs_and_instances_cost(problem, book, placement_cost)
+    if original is not None:
+        total += owned_nodes_cost(problem, original, book.caps)
+    return total
+
+
+def end_state_cost(problem: Problem, book: Book, original: list[NodeCapacity]) -> float:
+    """Money, waiting and instances as `evaluate`; the owned nodes by the fragmentation weight x
+    (stranding change + the measure of each changed node's final state - its state before)."""
+    total = _jobs_and_instances_cost(problem, book, money_cost)
+    weight = problem.weights["fragmentation"]
+    if not weight:
+        return total
+    total += weight * stranding_change(original, book.caps, problem.workload)
+    changed = [(before, after) for before, after in zip(original, book.caps) if not before.same_free(after)]
+    if problem.workload is not None and changed:
+        befores, afters = [before for before, _ in changed], [after for _, after in changed]
+        total += weight * (_fragmentation_sum(afters, problem.workload, [list(c.free_milli) for c in afters])
+                           - _fragmentation_sum(befores, problem.workload, [list(c.free_milli) for c in befores]))
+    return total
+
+
+def _jobs_and_instances_cost(problem: Problem, book: Book,
+                             cost_of: Callable[[Problem, JobDemand, Placement], float]) -> float:
+    """`cost_of` each placed job of the cycle, the waiting cost of each one left pending, and the
+    instances the answer uses."""
     total = 0.0
     placed = set()
     for job_id, placement in book.placements.items():
@@ -35,24 +69,26 @@ def evaluate(problem: Problem, book: Book, original: list[NodeCapacity] | None =
         if job is None:
             continue
         placed.add(job_id)
-        total += placement_cost(problem, job, placement)
+        total += cost_of(problem, job, placement)
     for demand_class in problem.classes:
         for job_id in demand_class.job_ids:
             if job_id not in placed:
                 total += demand_class.waiting_cost
-    if original is not None:
-        total += owned_nodes_cost(problem, original, book.caps)
     for instance in used_instances(problem, book):
         total += instance_cost(problem, instance)
     return total
 
 
+def money_cost(problem: Problem, job: JobDemand, placement: Placement) -> float:
+    """Dollars at the price the placement recorded, for the run time on its GPU model (weighted)."""
+    return problem.weights["money"] * placement.price_per_hour * problem.pricing.runtime_hours(job, placement.gpu_model)
+
+
 def placement_cost(problem: Problem, job: JobDemand, placement: Placement) -> float:
-    """Dollars at the price the placement recorded, for the run time on its GPU model, plus the
-    host cost (`Candidate.host_cost`) of each part on an owned node, by the shape the node had
-    when the cycle started."""
+    """`money_cost` plus the host cost (`Candidate.host_cost`) of each part on an owned node, by
+    the shape the node had when the cycle started."""
     weights = problem.weights
-    total = weights["money"] * placement.price_per_hour * problem.pricing.runtime_hours(job, placement.gpu_model)
+    total = money_cost(problem, job, placement)
     if not weights["fragmentation"]:
         return total
     class_index = problem.class_of.get(job.job_id)
@@ -157,7 +193,7 @@ def _host_costs_of_class(problem: Problem, class_index: int) -> dict[int, float]
 
 def _fragmentation_sum(caps: list[NodeCapacity], workload, vectors: list[list[int]]) -> float:
     """Fragmentation measure (GPUs, `patterns.node_cost_batch`) of the nodes `caps` with free milli
-    `vectors`, CPU and memory as the cycle found them; one vectorised call instead of one per node."""
+    `vectors`, CPU and memory as `caps` have them; one vectorised call instead of one per node."""
     import numpy as np
 
     from scheduling.patterns import node_cost_batch

@@ -14,7 +14,7 @@ from scheduling.book import Book
 from scheduling.engine import schedule
 from scheduling.improve import improve
 from scheduling.model import Policy, WorkloadClass
-from scheduling.objective import evaluate
+from scheduling.objective import end_state_cost, evaluate
 from scheduling.problem import Problem, build_problem
 from scheduling.validate import plan_violations
 from test_engine_properties import snapshots
@@ -194,3 +194,25 @@ def test_the_engine_reaches_the_exact_optimum_where_mapping_alone_did_not(monkey
     assert engine.solver.objective == pytest.approx(exact.solver.objective, abs=1e-6)
     assert mapped_only.solver.objective > engine.solver.objective + 0.1  # what the relocation repaired
 
+
+
+def test_the_end_state_sees_which_gpu_a_share_splits_where_the_linear_objective_cannot():
+    # GPU 0 has 0.7 free, GPU 1 0.3; the mix is 0.7-GPU tasks. A 0.3 share that fills GPU 1 keeps
+    # GPU 0's 0.7 for the next task; on GPU 0 it leaves 0.4 and 0.3, which no task of the mix fits.
+    # No whole GPU is taken either way, so the linear objective scores both the same; the engine
+    # keeps answers by the end state (`objective.end_state_cost`), which tells them apart.
+    mix = (WorkloadClass(gpus=1, gpu_milli=700, weight=1.0, cpu_milli=1_000),)
+    snap = snapshot([gpu_node("n", gpus=2, used={0: 300, 1: 700})], [job("share", gpus=1, gpu_milli=300)],
+                    workload=mix)
+    problem = build_problem(snap, FAST)
+    original = [cap.copy() for cap in problem.capacities]
+    candidate = problem.classes[problem.class_of["share"]].candidates[0]
+    books = {}
+    for position in (0, 1):
+        book = Book(problem)
+        book.commit(problem.jobs_by_id["share"], problem.targets[candidate.target],
+                    [(book.caps[0], (position,), None)], candidate.part)
+        books[position] = book
+    assert books[0].caps[0].free_milli == [400, 300] and books[1].caps[0].free_milli == [700, 0]
+    assert evaluate(problem, books[0], original) == pytest.approx(evaluate(problem, books[1], original))
+    assert end_state_cost(problem, books[1], original) < end_state_cost(problem, books[0], original) - 0.1
