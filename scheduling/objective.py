@@ -26,7 +26,7 @@ unallocated at 130%: 740.4 keeping by `evaluate`, 735.7 by the end state; schedu
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from scheduling.book import Book, Instance, launch_id
 from scheduling.capacity import NodeCapacity
@@ -42,19 +42,22 @@ def evaluate(problem: Problem, book: Book, original: list[NodeCapacity] | None =
     return total
 
 
-def end_state_cost(problem: Problem, book: Book, original: list[NodeCapacity]) -> float:
-    """Money, waiting and instances as `evaluate`; the owned nodes by the fragmentation weight x
-    (stranding change + the measure of each changed node's final state - its state before)."""
+def end_state_cost(problem: Problem, book: Book, positions: Sequence[int]) -> float:
+    """Money, waiting and instances as `evaluate`; plus, over the owned nodes at `positions`, the
+    fragmentation weight x (stranded GPUs + fragmentation measure) of the state the answer leaves
+    them in. Two answers are compared over the nodes they leave in different states: the others,
+    and every node's state before the cycle, add the same to both."""
     total = _jobs_and_instances_cost(problem, book, money_cost)
     weight = problem.weights["fragmentation"]
-    if not weight:
+    if not weight or not positions:
         return total
-    total += weight * stranding_change(original, book.caps, problem.workload)
-    changed = [(before, after) for before, after in zip(original, book.caps) if not before.same_free(after)]
-    if problem.workload is not None and changed:
-        befores, afters = [before for before, _ in changed], [after for _, after in changed]
-        total += weight * (_fragmentation_sum(afters, problem.workload, [list(c.free_milli) for c in afters])
-                           - _fragmentation_sum(befores, problem.workload, [list(c.free_milli) for c in befores]))
+    caps = [book.caps[position] for position in positions]
+    alpha, cpu_ratio, mem_ratio = stranding_coefficients(problem.workload)
+    if alpha:
+        total += weight * alpha * sum(stranded_gpus(sum(cap.free_milli), cap.free_cpu, cap.free_mem, cpu_ratio,
+                                                    mem_ratio) for cap in caps)
+    if problem.workload is not None:
+        total += weight * _fragmentation_sum(caps, problem.workload, [list(cap.free_milli) for cap in caps])
     return total
 
 
