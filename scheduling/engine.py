@@ -35,7 +35,7 @@ from scheduling.milp import build_and_solve
 from scheduling.model import (
     Migration, Placement, Plan, Policy, Preemption, Reason, ReasonCode, Snapshot, SolverInfo,
 )
-from scheduling.objective import end_state_cost, evaluate
+from scheduling.objective import Score, end_state_cost, score
 from scheduling.preemption import plan_preemptions, plan_reclaims, waits_for_borrowed, within_nominal
 from scheduling.problem import Problem, build_problem, workload_classes
 from scheduling.quota import quota_governed
@@ -244,14 +244,14 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
         from scheduling.exact import solve_exact  # only for measuring: keep it off the import path
         return solve_exact(problem, original, policy.time_limit_s)
 
-    def run_greedy() -> tuple[Book, float]:
+    def run_greedy() -> tuple[Book, Score]:
         book = Book(problem)
         place_greedily(problem, book, all_jobs)
-        return book, evaluate(problem, book, original)
+        return book, score(problem, book, original)
 
     if policy.method == "greedy" or not problem.classes:
-        greedy_book, greedy_objective = run_greedy()
-        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, "", "greedy by policy")
+        greedy_book, greedy_score = run_greedy()
+        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_score.total, "", "greedy by policy")
 
     # The MILP (model build and solves) gets half the cycle's limit, whatever building the
     # problem took: on a loaded machine that keeps the answer from depending on the load more
@@ -259,18 +259,18 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
     milp_budget = MILP_SHARE * policy.time_limit_s
     pairs = sum(len(c.candidates) for c in problem.classes)
     if pairs > MAX_MILP_PAIRS:
-        greedy_book, greedy_objective = run_greedy()
-        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, "", "model too large", 0,
+        greedy_book, greedy_score = run_greedy()
+        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_score.total, "", "model too large", 0,
                                        f"{pairs} (class, target) pairs > {MAX_MILP_PAIRS}: greedy used")
     if milp_budget <= 0.02:
-        greedy_book, greedy_objective = run_greedy()
-        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, "", "time limit",
+        greedy_book, greedy_score = run_greedy()
+        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_score.total, "", "time limit",
                                        0, "time limit too small for the MILP; greedy used")
     solution = build_and_solve(problem, milp_budget)
     result = solution.result
     if not result.has_solution:
-        greedy_book, greedy_objective = run_greedy()
-        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_objective, result.solver, result.status,
+        greedy_book, greedy_score = run_greedy()
+        return greedy_book, SolverInfo("greedy", False, 0.0, greedy_score.total, result.solver, result.status,
                                        solution.variables, "MILP gave no answer in time; greedy used")
     book = Book(problem)
     map_solution(problem, book, solution)
@@ -283,7 +283,8 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
     # took. Relocating it too, the engine left 756.3 GPUs unallocated at 130% on the share-heavy
     # list (seed 42) against 740.4 without relocation (both kept by `evaluate`).
     moves = improve(problem, book, original)
-    objective = evaluate(problem, book, original)
+    milp_score = score(problem, book, original)
+    objective = milp_score.total
     note = (f"{len(leftover)} jobs left by the MILP or mapping went to greedy repair "
             f"({len(leftover) - len(still)} placed)" if leftover else "")
     if moves:
@@ -291,7 +292,7 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
     method = "milp"
     if policy.method == "auto":
         # Always run (not only when time is left): the plan must not depend on the wall clock.
-        greedy_book, greedy_objective = run_greedy()
+        greedy_book, greedy_score = run_greedy()
         # Kept by the state each answer leaves the nodes in (`objective.end_state_cost`, over the
         # nodes the two leave differently: 0.17 s of a 5,000-job cycle over every changed node), which
         # sees how shares split GPUs (by `evaluate`: 740.4 above, by the end state 735.7, no
@@ -299,10 +300,11 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
         # the tightest host fit), the MILP's wherever the solver happened to land.
         differ = [position for position, (mine, theirs) in enumerate(zip(book.caps, greedy_book.caps))
                   if not mine.same_free(theirs)]
-        milp_end, greedy_end = end_state_cost(problem, book, differ), end_state_cost(problem, greedy_book, differ)
+        milp_end = end_state_cost(problem, book, differ, milp_score.jobs)
+        greedy_end = end_state_cost(problem, greedy_book, differ, greedy_score.jobs)
         note += f"{'; ' if note else ''}end state: MILP {milp_end:.2f} vs greedy {greedy_end:.2f}"
         if greedy_end <= milp_end + 1e-9:
-            book, objective, method, moves = greedy_book, greedy_objective, "greedy", 0
+            book, objective, method, moves = greedy_book, greedy_score.total, "greedy", 0
             note += "; greedy kept"
     proven = method == "milp" and result.proven_optimal and not leftover and not moves
     return book, SolverInfo(method, proven, 0.0, objective, result.solver, result.status, solution.variables, note)

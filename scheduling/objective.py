@@ -26,7 +26,7 @@ unallocated at 130%: 740.4 keeping by `evaluate`, 735.7 by the end state; schedu
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import NamedTuple, Sequence
 
 from scheduling.book import Book, Instance, launch_id
 from scheduling.capacity import NodeCapacity
@@ -35,19 +35,34 @@ from scheduling.patterns import stranded_gpus, stranding_coefficients
 from scheduling.problem import Problem
 
 
+class Score(NamedTuple):
+    """`evaluate`'s terms: money, waiting and instances (`jobs`, what `end_state_cost` shares), the
+    host costs of the placements' parts on owned nodes, and the owned nodes' linear term."""
+    jobs: float
+    hosts: float
+    nodes: float
+
+    @property
+    def total(self) -> float:
+        return self.jobs + self.hosts + self.nodes
+
+
 def evaluate(problem: Problem, book: Book, original: list[NodeCapacity] | None = None) -> float:
-    total = _jobs_and_instances_cost(problem, book, placement_cost)
-    if original is not None:
-        total += owned_nodes_cost(problem, original, book.caps)
-    return total
+    return score(problem, book, original).total
 
 
-def end_state_cost(problem: Problem, book: Book, positions: Sequence[int]) -> float:
-    """Money, waiting and instances as `evaluate`; plus, over the owned nodes at `positions`, the
-    fragmentation weight x (stranded GPUs + fragmentation measure) of the state the answer leaves
-    them in. Two answers are compared over the nodes they leave in different states: the others,
-    and every node's state before the cycle, add the same to both."""
-    total = _jobs_and_instances_cost(problem, book, money_cost)
+def score(problem: Problem, book: Book, original: list[NodeCapacity] | None = None) -> Score:
+    jobs, hosts = _jobs_and_instances_cost(problem, book)
+    return Score(jobs, hosts, owned_nodes_cost(problem, original, book.caps) if original is not None else 0.0)
+
+
+def end_state_cost(problem: Problem, book: Book, positions: Sequence[int], jobs: float | None = None) -> float:
+    """Money, waiting and instances as `evaluate` (`jobs`: its `Score.jobs` for this book, when
+    already summed); plus, over the owned nodes at `positions`, the fragmentation weight x
+    (stranded GPUs + fragmentation measure) of the state the answer leaves them in. Two answers
+    are compared over the nodes they leave in different states: the others, and every node's
+    state before the cycle, add the same to both."""
+    total = jobs if jobs is not None else _jobs_and_instances_cost(problem, book)[0]
     weight = problem.weights["fragmentation"]
     if not weight or not positions:
         return total
@@ -61,25 +76,25 @@ def end_state_cost(problem: Problem, book: Book, positions: Sequence[int]) -> fl
     return total
 
 
-def _jobs_and_instances_cost(problem: Problem, book: Book,
-                             cost_of: Callable[[Problem, JobDemand, Placement], float]) -> float:
-    """`cost_of` each placed job of the cycle, the waiting cost of each one left pending, and the
-    instances the answer uses."""
-    total = 0.0
+def _jobs_and_instances_cost(problem: Problem, book: Book) -> tuple[float, float]:
+    """The money of each placed job of the cycle, the waiting cost of each one left pending and
+    the instances the answer uses; and, apart, the host costs of the placed jobs' parts."""
+    total = hosts = 0.0
     placed = set()
     for job_id, placement in book.placements.items():
         job = problem.jobs_by_id.get(job_id)
         if job is None:
             continue
         placed.add(job_id)
-        total += cost_of(problem, job, placement)
+        total += money_cost(problem, job, placement)
+        hosts += host_cost(problem, job, placement)
     for demand_class in problem.classes:
         for job_id in demand_class.job_ids:
             if job_id not in placed:
                 total += demand_class.waiting_cost
     for instance in used_instances(problem, book):
         total += instance_cost(problem, instance)
-    return total
+    return total, hosts
 
 
 def money_cost(problem: Problem, job: JobDemand, placement: Placement) -> float:
@@ -88,21 +103,23 @@ def money_cost(problem: Problem, job: JobDemand, placement: Placement) -> float:
 
 
 def placement_cost(problem: Problem, job: JobDemand, placement: Placement) -> float:
-    """`money_cost` plus the host cost (`Candidate.host_cost`) of each part on an owned node, by
-    the shape the node had when the cycle started."""
-    weights = problem.weights
-    total = money_cost(problem, job, placement)
-    if not weights["fragmentation"]:
-        return total
+    """`money_cost` plus `host_cost`: what the placement adds to `evaluate`."""
+    return money_cost(problem, job, placement) + host_cost(problem, job, placement)
+
+
+def host_cost(problem: Problem, job: JobDemand, placement: Placement) -> float:
+    """The host cost (`Candidate.host_cost`, weighted) of each part on an owned node, by the shape
+    the node had when the cycle started."""
+    weight = problem.weights["fragmentation"]
+    if not weight:
+        return 0.0
     class_index = problem.class_of.get(job.job_id)
     if class_index is None:
-        return total
+        return 0.0
     shape_of = shape_of_node(problem)
     costs = _host_costs_of_class(problem, class_index)
-    for part in placement.parts:
-        if part.launch_id is None and part.node_id in shape_of:
-            total += weights["fragmentation"] * costs.get(shape_of[part.node_id], 0.0)
-    return total
+    return sum(weight * costs.get(shape_of[part.node_id], 0.0) for part in placement.parts
+               if part.launch_id is None and part.node_id in shape_of)
 
 
 def instance_cost(problem: Problem, instance: Instance) -> float:
