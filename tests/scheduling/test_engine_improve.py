@@ -216,3 +216,23 @@ def test_the_end_state_sees_which_gpu_a_share_splits_where_the_linear_objective_
     assert books[0].caps[0].free_milli == [400, 300] and books[1].caps[0].free_milli == [700, 0]
     assert evaluate(problem, books[0], original) == pytest.approx(evaluate(problem, books[1], original))
     assert end_state_cost(problem, books[1], [0]) < end_state_cost(problem, books[0], [0]) - 0.1
+
+
+def test_greedy_s_answer_is_relocated_too_when_the_engine_falls_back_to_it(monkeypatch):
+    # Too large a model for the MILP: greedy answers alone. Greedy takes the queue in order (older
+    # first at equal priority and size), so the short job gets the cheap node and the long one the
+    # dear node; relocation then exchanges them (8 x $1 + 1 x $3 instead of 8 x $3 + 1 x $1).
+    import scheduling.engine as engine_module
+
+    snap = snapshot([gpu_node("cheap", gpus=1, price=1.0), gpu_node("dear", gpus=1, price=3.0)],
+                    [job("short", expected_duration_hours=1.0, submitted_at=1.0),
+                     job("long", expected_duration_hours=8.0, submitted_at=2.0)])
+    monkeypatch.setattr(engine_module, "MAX_MILP_PAIRS", 0)
+    plan = schedule(snap, FAST)
+    nodes = {p.job_id: p.parts[0].node_id for p in plan.placements}
+    assert plan.solver.method == "greedy" and "greedy used; 1 local move(s)" in plan.solver.note
+    assert nodes == {"long": "cheap", "short": "dear"}
+    assert plan_violations(snap, plan) == []
+    # Asked for greedy alone, the policy gets best-fit as it packed.
+    alone = schedule(snap, replace(FAST, method="greedy"))
+    assert {p.job_id: p.parts[0].node_id for p in alone.placements} == {"short": "cheap", "long": "dear"}
