@@ -22,8 +22,9 @@ shares left 743.5 GPUs unallocated on the share-heavy list (seed 42) against 735
 kept where mapping put them. Whole-GPU and CPU-only jobs take and free whole GPUs only, so no move
 changes how many GPUs are split.
 
-The engine runs it on the MILP's mapped answer (what it repairs), not on greedy's, whose every
-placement was priced at the node it took (`scheduling/engine.py`).
+The engine runs it on the MILP's mapped answer (what it repairs) and on greedy's best-fit answer,
+whose placements were each priced when taken, before later jobs changed what the nodes are worth
+(`scheduling/engine.py`); not under `method="greedy"`.
 """
 
 from __future__ import annotations
