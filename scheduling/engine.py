@@ -29,7 +29,7 @@ from scheduling.consolidate import plan_consolidation
 from scheduling.defrag import plan_defragmentation
 from scheduling.explain import explain_pending
 from scheduling.greedy import place_greedily
-from scheduling.improve import improve
+from scheduling.improve import hand_over, improve
 from scheduling.mapping import map_solution
 from scheduling.milp import build_and_solve
 from scheduling.model import (
@@ -249,8 +249,14 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
         """Greedy best-fit over the whole queue, then (unless asked for greedy alone) `improve`."""
         book = Book(problem)
         place_greedily(problem, book, all_jobs)
-        moves = improve(problem, book, original) if relocate else 0
+        moves = local_moves(book) if relocate else 0
         return book, score(problem, book, original), moves
+
+    def local_moves(book: Book) -> int:
+        """Relocations, then nodes handed over to waiting jobs (and relocations after those)."""
+        moves = improve(problem, book, original)
+        handed = hand_over(problem, book, original)
+        return moves + (handed + improve(problem, book, original) if handed else 0)
 
     def moved(moves: int) -> str:
         return f"; {moves} local move(s)" if moves else ""
@@ -287,7 +293,7 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
     still = place_greedily(problem, book, leftover) if leftover else []
     # Relocations that the per-node objective prefers to what mapping chose (the pooled terms'
     # errors).
-    moves = improve(problem, book, original)
+    moves = local_moves(book)
     milp_score = score(problem, book, original)
     objective = milp_score.total
     note = (f"{len(leftover)} jobs left by the MILP or mapping went to greedy repair "
