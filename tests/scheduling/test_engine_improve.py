@@ -12,7 +12,7 @@ import scheduling.improve as improve_module
 from engine_factories import FAST, gpu_node, job, snapshot
 from scheduling.book import Book
 from scheduling.engine import schedule
-from scheduling.improve import improve
+from scheduling.improve import hand_over, improve
 from scheduling.model import Policy, WorkloadClass
 from scheduling.objective import end_state_cost, evaluate
 from scheduling.problem import Problem, build_problem
@@ -236,3 +236,75 @@ def test_greedy_s_answer_is_relocated_too_when_the_engine_falls_back_to_it(monke
     # Asked for greedy alone, the policy gets best-fit as it packed.
     alone = schedule(snap, replace(FAST, method="greedy"))
     assert {p.job_id: p.parts[0].node_id for p in alone.placements} == {"short": "cheap", "long": "dear"}
+
+
+def test_a_node_a_newer_gang_took_goes_to_two_older_jobs_that_share_it():
+    # One empty 8-GPU node; two 4-GPU jobs wait, older than the 8-GPU gang that took it. Two jobs
+    # started cost less waiting (2 x 4.1) than one (8.1): the node changes hands.
+    snap = snapshot([gpu_node("n0")], [job("old1", gpus=4, submitted_at=1.0), job("old2", gpus=4, submitted_at=2.0),
+                                       job("gang", gpus=8, submitted_at=3.0)])
+    problem = build_problem(snap, FAST)
+    original = [cap.copy() for cap in problem.capacities]
+    book = Book(problem)
+    put(problem, book, "gang", "n0")
+    before = evaluate(problem, book, original)
+    assert hand_over(problem, book, original) == 1
+    assert sorted(book.placements) == ["old1", "old2"]
+    assert evaluate(problem, book, original) < before
+    assert state(book) == recomputed_caps(problem, book)
+
+
+def test_the_waiting_jobs_that_fill_the_node_best_take_it_not_merely_the_oldest():
+    # The oldest waiting job needs 300 GiB and leaves too little memory for anything beside it;
+    # the two younger ones fit together and save more waiting than the gang costs.
+    node = gpu_node("n0", cpu_milli=96_000, memory=384 * 1024)
+    snap = snapshot([node], [job("hungry", gpus=4, memory_mb=300 * 1024, submitted_at=1.0),
+                             job("a", gpus=4, memory_mb=128 * 1024, submitted_at=2.0),
+                             job("b", gpus=4, memory_mb=128 * 1024, submitted_at=3.0),
+                             job("gang", gpus=8, memory_mb=256 * 1024, submitted_at=4.0)])
+    problem = build_problem(snap, FAST)
+    original = [cap.copy() for cap in problem.capacities]
+    book = Book(problem)
+    put(problem, book, "gang", "n0")
+    assert hand_over(problem, book, original) == 1
+    assert sorted(book.placements) == ["a", "b"]
+
+
+def test_a_node_is_not_handed_over_for_less_than_it_holds():
+    # One 4-GPU job waiting would save 4.1 against the gang's 8.1: the gang keeps the node.
+    snap = snapshot([gpu_node("n0")], [job("old", gpus=4, submitted_at=1.0), job("gang", gpus=8, submitted_at=2.0)])
+    problem = build_problem(snap, FAST)
+    original = [cap.copy() for cap in problem.capacities]
+    book = Book(problem)
+    put(problem, book, "gang", "n0")
+    assert hand_over(problem, book, original) == 0
+    assert sorted(book.placements) == ["gang"]
+    assert state(book) == recomputed_caps(problem, book)
+
+
+def test_the_engine_starts_the_older_pair_when_greedy_answers_alone(monkeypatch):
+    # Best fit packs biggest first: alone, it gives the node to the newer gang.
+    import scheduling.engine as engine_module
+
+    snap = snapshot([gpu_node("n0")], [job("old1", gpus=4, submitted_at=1.0), job("old2", gpus=4, submitted_at=2.0),
+                                       job("gang", gpus=8, submitted_at=3.0)])
+    assert [p.job_id for p in schedule(snap, replace(FAST, method="greedy")).placements] == ["gang"]
+    monkeypatch.setattr(engine_module, "MAX_MILP_PAIRS", 0)
+    plan = schedule(snap, FAST)
+    assert sorted(p.job_id for p in plan.placements) == ["old1", "old2"]
+    assert plan.pending["gang"].code.value == "CAPACITY_TAKEN"
+    assert plan_violations(snap, plan) == []
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(snapshots())
+def test_handing_over_never_raises_the_objective_nor_breaks_the_plan(snap):
+    problem = build_problem(snap, Policy(time_limit_s=2.0))
+    original = [cap.copy() for cap in problem.capacities]
+    book = Book(problem)
+    from scheduling.greedy import place_greedily
+    place_greedily(problem, book, [j.job_id for j in snap.pending])
+    before = evaluate(problem, book, original)
+    hand_over(problem, book, original)
+    assert evaluate(problem, book, original) <= before + 1e-6
+    assert state(book) == recomputed_caps(problem, book)
