@@ -322,8 +322,9 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
     and the older ones. On the multi-GPU list it took the engine from seven points behind FGD
     (85-90% arrived, worst -0.18) to five (-0.04) with the same GPUs placed at 100% and 130%.
 
-    The newest holders are offered first; for each, every class left waiting leads once (its oldest
-    member), the rest follow oldest first where they fit, and the best gain is kept. Shares and
+    The newest holders are offered first, each only to jobs older than itself (so a big job is
+    never put back for newer small ones); every class left waiting leads once (its oldest member),
+    the rest follow oldest first where they fit, and the best gain is kept. Shares and
     multi-node jobs neither give nor take. Work is bounded by a count of fits tried, so the plan
     stays identical for identical input."""
     scorer = _Scorer(problem, book, original)
@@ -354,7 +355,12 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
                           if c.target == target_index), None)
         if candidate is None or not _single_whole(job):
             continue
-        taken = _hand_over_node(problem, book, scorer, position, job, candidate, waiting, budget)
+        # Only to jobs older than the holder: a big job is never put back for newer small ones
+        # (which could keep it waiting for ever), and the search stays short.
+        older = [job_id for job_id in waiting if age(job_id) < age(holder)]
+        if not older:
+            continue
+        taken = _hand_over_node(problem, book, scorer, position, job, candidate, older, budget)
         if taken:
             waiting = sorted([j for j in waiting if j not in taken] + [holder], key=age)
             handed += 1
