@@ -29,6 +29,8 @@ whose placements were each priced when taken, before later jobs changed what the
 
 from __future__ import annotations
 
+import itertools
+
 from scheduling.book import Book, Instance, launch_id
 from scheduling.capacity import NodeCapacity
 from scheduling.model import JobDemand, Placement, PlacementPart
@@ -46,6 +48,9 @@ SWAP_MAX_JOBS = 60
 # Fits tried per cycle when handing nodes over to waiting jobs (`hand_over`): each is a capacity
 # check and, where it fits, a commit; a cycle that runs out keeps what was handed over so far.
 HANDOVER_MAX_FITS = 10_000
+# ... offered to the oldest this many waiting jobs only (the head of the queue; a 5,000-job cycle
+# on 100 nodes leaves 4,700 waiting, and scanning them all per node cost 0.3 s).
+HANDOVER_QUEUE_HEAD = 256
 # Improvements smaller than this (dollars of objective) are noise, not worth a move.
 MIN_GAIN = 1e-6
 
@@ -357,7 +362,7 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
             continue
         # Only to jobs older than the holder: a big job is never put back for newer small ones
         # (which could keep it waiting for ever), and the search stays short.
-        older = [job_id for job_id in waiting if age(job_id) < age(holder)]
+        older = list(itertools.takewhile(lambda job_id: age(job_id) < age(holder), waiting[:HANDOVER_QUEUE_HEAD]))
         if not older:
             continue
         taken = _hand_over_node(problem, book, scorer, position, job, candidate, older, budget)
