@@ -46,8 +46,9 @@ MAX_PASSES = 4
 # at most this many jobs to move: 1,770 pairs per pass.
 SWAP_MAX_JOBS = 60
 # Fits tried per cycle when handing nodes over to waiting jobs (`hand_over`): each is a capacity
-# check and, where it fits, a commit; a cycle that runs out keeps what was handed over so far.
-HANDOVER_MAX_FITS = 10_000
+# check and, where it fits, a commit (about 20 us); a cycle that runs out keeps what was handed
+# over so far. The multi-GPU list's most contended cycle (seed 42) needs under 500.
+HANDOVER_MAX_FITS = 2_000
 # ... offered to the oldest this many waiting jobs only (the head of the queue; a 5,000-job cycle
 # on 100 nodes leaves 4,700 waiting, and scanning them all per node cost 0.3 s).
 HANDOVER_QUEUE_HEAD = 256
