@@ -22,6 +22,9 @@ shares left 743.5 GPUs unallocated on the share-heavy list (seed 42) against 735
 kept where mapping put them. Whole-GPU and CPU-only jobs take and free whole GPUs only, so no move
 changes how many GPUs are split.
 
+`hand_over` gives a node that one job of the cycle took to older waiting jobs when the objective
+drops (its docstring says why); the engine runs it after the relocations.
+
 The engine runs it on the MILP's mapped answer (what it repairs) and on greedy's best-fit answer,
 whose placements were each priced when taken, before later jobs changed what the nodes are worth
 (`scheduling/engine.py`); not under `method="greedy"`.
