@@ -331,9 +331,9 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
     and the older ones. On the multi-GPU list it took the engine from seven points behind FGD
     (85-90% arrived, worst -0.18) to five (-0.04) with the same GPUs placed at 100% and 130%.
 
-    The newest holders are offered first, each only to jobs older than itself (so a big job is
-    never put back for newer small ones); every class left waiting leads once (its oldest member),
-    the rest follow oldest first where they fit, and the best gain is kept. Shares and
+    The newest holders are offered first. Each class with a waiting job older than the holder leads
+    once (its oldest member), so a big job is never put back for newer small ones alone; the rest of
+    the queue's head follows oldest first where it fits, and the best gain is kept. Shares and
     multi-node jobs neither give nor take. Work is bounded by a count of fits tried, so the plan
     stays identical for identical input."""
     scorer = _Scorer(problem, book, original)
@@ -364,12 +364,13 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
                           if c.target == target_index), None)
         if candidate is None or not _single_whole(job):
             continue
-        # Only to jobs older than the holder: a big job is never put back for newer small ones
-        # (which could keep it waiting for ever), and the search stays short.
-        older = list(itertools.takewhile(lambda job_id: age(job_id) < age(holder), waiting[:HANDOVER_QUEUE_HEAD]))
+        # Led by a job older than the holder: a big job is never put back for newer small ones
+        # alone (which could keep it waiting for ever); newer jobs may join the older one.
+        head = waiting[:HANDOVER_QUEUE_HEAD]
+        older = list(itertools.takewhile(lambda job_id: age(job_id) < age(holder), head))
         if not older:
             continue
-        taken = _hand_over_node(problem, book, scorer, position, job, candidate, older, budget)
+        taken = _hand_over_node(problem, book, scorer, position, job, candidate, older, head, budget)
         if taken:
             waiting = sorted([j for j in waiting if j not in taken] + [holder], key=age)
             handed += 1
@@ -377,9 +378,10 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
 
 
 def _hand_over_node(problem: Problem, book: Book, scorer: _Scorer, position: int, holder: JobDemand,
-                    candidate: Candidate, waiting: list[str], budget: list[int]) -> set[str]:
-    """Take `holder` off the node and fill it from `waiting` the best way tried; keep that if it
-    lowers the objective (return the jobs placed), else put `holder` back (return nothing)."""
+                    candidate: Candidate, older: list[str], waiting: list[str], budget: list[int]) -> set[str]:
+    """Take `holder` off the node and fill it from `waiting`, led by one of `older`, the best way
+    tried; keep that if it lowers the objective (return the jobs placed), else put `holder` back
+    (return nothing)."""
     target_index = candidate.target
     target = problem.targets[target_index]
     cap, unit = book.caps[position], ("node", position, 0)
@@ -388,7 +390,7 @@ def _hand_over_node(problem: Problem, book: Book, scorer: _Scorer, position: int
         + scorer.cost(unit, cap, None, jobs_there)
     slots = book.unplace(holder, target, candidate.part)
     leaders, seen = [], set()
-    for job_id in waiting:
+    for job_id in older:
         if problem.class_of[job_id] not in seen:
             seen.add(problem.class_of[job_id])
             leaders.append(job_id)
