@@ -366,7 +366,7 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
         if candidate is None or not _single_whole(job):
             continue
         head = waiting[:HANDOVER_QUEUE_HEAD]
-        taken = _hand_over_node(problem, book, scorer, position, job, candidate, head, head, budget)
+        taken = _hand_over_node(problem, book, scorer, position, job, candidate, head, budget)
         if taken:
             waiting = sorted([j for j in waiting if j not in taken] + [holder], key=age)
             handed += 1
@@ -374,10 +374,9 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
 
 
 def _hand_over_node(problem: Problem, book: Book, scorer: _Scorer, position: int, holder: JobDemand,
-                    candidate: Candidate, older: list[str], waiting: list[str], budget: list[int]) -> set[str]:
-    """Take `holder` off the node and fill it from `waiting`, led by one of `older`, the best way
-    tried; keep that if it lowers the objective (return the jobs placed), else put `holder` back
-    (return nothing)."""
+                    candidate: Candidate, waiting: list[str], budget: list[int]) -> set[str]:
+    """Take `holder` off the node and fill it from `waiting` the best way tried; keep that if it
+    lowers the objective (return the jobs placed), else put `holder` back (return nothing)."""
     target_index = candidate.target
     target = problem.targets[target_index]
     cap, unit = book.caps[position], ("node", position, 0)
@@ -386,7 +385,7 @@ def _hand_over_node(problem: Problem, book: Book, scorer: _Scorer, position: int
         + scorer.cost(unit, cap, None, jobs_there)
     slots = book.unplace(holder, target, candidate.part)
     leaders, seen = [], set()
-    for job_id in older:
+    for job_id in waiting:
         if problem.class_of[job_id] not in seen:
             seen.add(problem.class_of[job_id])
             leaders.append(job_id)
