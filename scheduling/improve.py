@@ -326,17 +326,18 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
     node that two 4-GPU jobs, older in the queue, could have shared, and no relocation undoes that
     (the gang has nowhere else to go). Waiting costs `(0.1 + GPUs)` per job, so two 4-GPU jobs
     placed save more than the gang alone; handing the node over starts more jobs on the same GPUs,
-    and the older ones. On the multi-GPU list it took the engine from seven points behind FGD
-    (85-90% arrived, worst -0.18) to five (-0.04) with the same GPUs placed at 100% and 130%.
+    and the older ones. On the multi-GPU list the engine trailed FGD at seven points of the curve
+    (85-90% arrived, worst -0.18 point) and now at five (-0.04), the same GPUs placed at 100% and
+    130%.
 
     The newest holders are offered first. Each class waiting at the head of the queue leads once
     (its oldest member), the rest follow oldest first where they fit, and the best gain is kept.
     Newer small jobs can thus take a node from an older big one, but only where they save more
     waiting, the trade the MILP's objective already makes. Requiring a taker older than the holder
-    undid most of the gain (multi-GPU list: worst -0.14 point behind FGD instead of -0.04) and
-    changed nothing in the fair-share windows, where the unrestricted rule changes nothing either. Shares and
-    multi-node jobs neither give nor take. Work is bounded by a count of fits tried, so the plan
-    stays identical for identical input."""
+    undid most of the gain (multi-GPU list: worst -0.14 point behind FGD instead of -0.04); the
+    fair-share windows do not change under either rule. Shares and multi-node jobs neither give
+    nor take. Work is bounded by a count of fits tried, so the plan stays identical for identical
+    input."""
     scorer = _Scorer(problem, book, original)
     jobs = problem.jobs_by_id
 
