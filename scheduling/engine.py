@@ -246,7 +246,7 @@ def place(problem: Problem, original: list[NodeCapacity], started: float) -> tup
         return solve_exact(problem, original, policy.time_limit_s)
 
     def run_greedy(relocate: bool) -> tuple[Book, Score, int]:
-        """Greedy best-fit over the whole queue, then (unless asked for greedy alone) `improve`."""
+        """Greedy best-fit over the whole queue, then (unless asked for greedy alone) `local_moves`."""
         book = Book(problem)
         place_greedily(problem, book, all_jobs)
         moves = local_moves(book) if relocate else 0

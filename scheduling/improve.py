@@ -22,10 +22,10 @@ shares left 743.5 GPUs unallocated on the share-heavy list (seed 42) against 735
 kept where mapping put them. Whole-GPU and CPU-only jobs take and free whole GPUs only, so no move
 changes how many GPUs are split.
 
-`hand_over` gives a node that one job of the cycle took to older waiting jobs when the objective
-drops (its docstring says why); the engine runs it after the relocations.
+`hand_over` gives a node that one job of the cycle took to jobs at the head of the queue when the
+objective drops (its docstring says why); the engine runs it after the relocations.
 
-The engine runs it on the MILP's mapped answer (what it repairs) and on greedy's best-fit answer,
+The engine runs both on the MILP's mapped answer (what they repair) and on greedy's best-fit answer,
 whose placements were each priced when taken, before later jobs changed what the nodes are worth
 (`scheduling/engine.py`); not under `method="greedy"`.
 """
@@ -338,7 +338,6 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
     fair-share windows do not change under either rule. Shares and multi-node jobs neither give
     nor take. Work is bounded by a count of fits tried, so the plan stays identical for identical
     input."""
-    scorer = _Scorer(problem, book, original)
     jobs = problem.jobs_by_id
 
     def age(job_id: str) -> tuple:
@@ -347,23 +346,20 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
     waiting = sorted((job_id for job_id in problem.class_of
                       if job_id not in book.placements and _single_whole(jobs[job_id])), key=age)
     if not waiting:
-        return 0
+        return 0  # the common case: everything placed, nothing to score
+    scorer = _Scorer(problem, book, original)
     holders: dict[int, list[str]] = {}
     for job_id, placement in book.placements.items():
         if job_id in problem.class_of and len(placement.parts) == 1 and placement.parts[0].launch_id is None:
             holders.setdefault(book.position_of(placement.parts[0].node_id), []).append(job_id)
     budget = [HANDOVER_MAX_FITS]
     handed = 0
-    newest_first = sorted(((jobs[h[0]].submitted_at, -p, h[0]) for p, h in holders.items() if len(h) == 1),
-                          reverse=True)
-    for _, negative_position, holder in newest_first:
-        position = -negative_position
+    alone = [(position, held[0]) for position, held in holders.items() if len(held) == 1]
+    for position, holder in sorted(alone, key=lambda item: (-jobs[item[1]].submitted_at, item[0])):
         if budget[0] <= 0 or not waiting:
             break
         job = jobs[holder]
-        target_index = _shape_of(problem, position)
-        candidate = next((c for c in problem.classes[problem.class_of[holder]].candidates
-                          if c.target == target_index), None)
+        candidate = _candidate_on(problem, holder, _shape_of(problem, position))
         if candidate is None or not _single_whole(job):
             continue
         head = waiting[:HANDOVER_QUEUE_HEAD]
@@ -420,10 +416,12 @@ def _fill(problem: Problem, book: Book, cap: NodeCapacity, target_index: int, or
     target = problem.targets[target_index]
     placed, full_classes = [], set()
     for job_id in order:
+        if budget[0] <= 0:
+            break
         class_index = problem.class_of[job_id]
-        if class_index in full_classes or budget[0] <= 0:
+        if class_index in full_classes:
             continue
-        candidate = next((c for c in problem.classes[class_index].candidates if c.target == target_index), None)
+        candidate = _candidate_on(problem, job_id, target_index)
         job = problem.jobs_by_id[job_id]
         budget[0] -= 1
         positions = cap.choose(candidate.part) if candidate is not None else None
@@ -432,14 +430,20 @@ def _fill(problem: Problem, book: Book, cap: NodeCapacity, target_index: int, or
             continue
         book.commit(job, target, [(cap, positions, None)], candidate.part)
         placed.append(job_id)
-    book.reindex([(cap, (), None)])
+    if placed:
+        book.reindex([(cap, (), None)])
     return placed
 
 
 def _unfill(problem: Problem, book: Book, target_index: int, placed: list[str]) -> None:
     for job_id in reversed(placed):
-        candidate = next(c for c in problem.classes[problem.class_of[job_id]].candidates if c.target == target_index)
+        candidate = _candidate_on(problem, job_id, target_index)
         book.unplace(problem.jobs_by_id[job_id], problem.targets[target_index], candidate.part)
+
+
+def _candidate_on(problem: Problem, job_id: str, target_index: int) -> Candidate | None:
+    """The job's candidate on that target (None: it may not go there)."""
+    return next((c for c in problem.classes[problem.class_of[job_id]].candidates if c.target == target_index), None)
 
 
 def _single_whole(job: JobDemand) -> bool:
