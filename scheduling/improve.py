@@ -334,8 +334,8 @@ def hand_over(problem: Problem, book: Book, original: list[NodeCapacity]) -> int
     (its oldest member), the rest follow oldest first where they fit, and the best gain is kept.
     Newer small jobs can thus take a node from an older big one, but only where they save more
     waiting, the trade the MILP's objective already makes. Requiring a taker older than the holder
-    undid most of the gain (multi-GPU list: worst -0.14 point behind FGD instead of -0.04); the
-    fair-share windows do not change under either rule. Shares and multi-node jobs neither give
+    undid most of the gain (multi-GPU list: worst -0.14 point behind FGD instead of -0.04); with
+    the rule kept, the fair-share windows do not change. Shares and multi-node jobs neither give
     nor take. Work is bounded by a count of fits tried, so the plan stays identical for identical
     input."""
     jobs = problem.jobs_by_id
