@@ -16,9 +16,12 @@ from dataclasses import replace
 
 from scheduling.book import Book
 from scheduling.greedy import place_greedily
-from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, Policy, RunningAllocation, Snapshot
-from scheduling.problem import Problem, build_problem
-from scheduling.whatif import can_move, could_ever_fit, minimal_victims, release, running_by_node
+from scheduling.model import (
+    WHOLE_GPU_MILLI, JobDemand, Migration, PlacementPart, Policy, RunningAllocation, Snapshot,
+)
+from scheduling.capacity import NodeCapacity
+from scheduling.problem import Problem, build_problem, class_fields
+from scheduling.whatif import can_move, could_ever_fit, minimal_victims, node_target, release, running_by_node
 
 # Nodes tried per blocked job (fewest moves first), to bound the what-if work per cycle.
 NODES_TRIED = 8
@@ -36,12 +39,21 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
         return ()
     moved: set[str] = set()
     plan: list[Migration] = []
+    # Demands (team included) that found no plan since the book last changed: an identical blocked
+    # job would search the same nodes with the same movers and fail the same way.
+    hopeless: set[tuple] = set()
+    # Where each movable demand could go now (`_room_elsewhere`); a job with nowhere to go is
+    # never taken as a victim, so the search does not spend a what-if placement on it.
+    homes: dict[tuple, tuple[int, ...] | None] = {}
     order = sorted(pending, key=lambda j: (-problem.jobs_by_id[j].priority, problem.jobs_by_id[j].submitted_at, j))
     for job_id in order[:JOBS_CONSIDERED]:
         if len(plan) >= budget:
             break
         job = problem.jobs_by_id[job_id]
         if job.nodes > 1 or problem.classes[problem.class_of[job_id]].invalid:
+            continue
+        demand_key = (job.tenant,) + class_fields(job)
+        if demand_key in hopeless:
             continue
         # Static filters (model, provider, price, ...) do not depend on free capacity: ask each shape once.
         compatible = sorted(p for t in problem.targets if t.kind == "node"
@@ -53,8 +65,9 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
             continue  # defragmenting cannot help: the free capacity is not there at all
         options = []
         for position in compatible:
-            movable = [a for a in by_node.get(position, []) if a.job_id not in moved and can_move(a, policy, job.priority)]
-            if not movable:
+            movable = [a for a in by_node.get(position, []) if a.job_id not in moved and can_move(a, policy, job.priority)
+                       and _room_elsewhere(book, position, a.demand, False, homes)]  # type: ignore[arg-type]
+            if not movable or not _could_make_room(problem, job, book.caps[position], position, movable):
                 continue
             found = minimal_victims(problem, job, book, position, movable)
             if found is not None and len(found[0]) <= budget - len(plan) and book.admits(job, found[1]):
@@ -78,14 +91,39 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
                     job_id=allocation.job_id, from_node_id=cap.node.id, reason="defragmentation", for_job_id=job_id,
                     to=PlacementPart(gpu_indices=destination.gpu_indices(to_positions), gpu_milli=to_part.milli,
                                      node_id=destination.node.id)))
+            hopeless.clear()  # the book changed: a demand that failed before may succeed now
+            homes.clear()
             break
+        else:
+            hopeless.add(demand_key)
     return tuple(plan)
+
+
+def _could_make_room(problem: Problem, job: JobDemand, cap: NodeCapacity, position: int,
+                     movable: list[RunningAllocation]) -> bool:
+    """A necessary condition for `minimal_victims` to find victims on this node, checked without
+    copying it: moving every movable job would free enough CPU, memory and (for whole GPUs) GPUs.
+    Most nodes of a full cluster fail it, and the search then skips them at once."""
+    part = problem.pricing.part(job, node_target(cap, position).gpu_model)
+    if part is None:
+        return False
+    if cap.free_cpu + sum(a.cpu_milli for a in movable) < part.cpu_milli:
+        return False
+    if cap.free_mem + sum(a.memory_mb for a in movable) < part.memory_mb:
+        return False
+    if part.fractional or part.gpus == 0:
+        return True
+    touched = {p for a in movable for p in cap.positions_of(a.gpu_indices)}
+    freeable = sum(1 for p, milli in enumerate(cap.free_milli) if milli == WHOLE_GPU_MILLI or p in touched)
+    return freeable >= part.gpus
 
 
 def replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[RunningAllocation],
                       owned_only: bool = False):
     """Place every mover on another node of the current book (what-if); None if any fails.
     `owned_only`: not on rented instances (moving an owned job to make room must not rent)."""
+    if not all(_room_elsewhere(book, source, a.demand, owned_only) for a in movers):  # type: ignore[arg-type]
+        return None
     capacities = [cap.copy() for cap in book.caps]
     capacities[source].schedulable = False  # a moved job must land somewhere else
     if owned_only:
@@ -107,6 +145,46 @@ def replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[Ru
         positions = book.caps[node_position].positions_of(placement.gpu_indices)
         result.append((node_position, part_by_job[demand.job_id], positions))
     return result
+
+
+def _room_elsewhere(book: Book, source: int, demand: JobDemand, owned_only: bool,
+                    memo: dict[tuple, tuple[int, ...] | None] | None = None) -> bool:
+    """A necessary condition for the what-if placement of one mover, checked on the book's free
+    capacity without building a problem: a node other than `source` has its CPU, memory and GPUs
+    free. A demand the check cannot read simply (compute units, per-model counts, several nodes)
+    passes. `memo`: the first two such nodes per demand, valid while the book does not change."""
+    if demand.compute_units is not None or demand.gpus_by_model or demand.nodes > 1:
+        return True
+    key = class_fields(demand)
+    if memo is None or key not in memo:
+        homes = _free_homes(book, demand, owned_only, limit=2)
+        if memo is None:
+            return any(p != source for p in homes)
+        memo[key] = homes
+    return any(p != source for p in memo[key])
+
+
+def _free_homes(book: Book, demand: JobDemand, owned_only: bool, limit: int) -> tuple[int, ...]:
+    whole = demand.gpus > 0 and demand.gpu_milli >= WHOLE_GPU_MILLI
+    models = demand.allowed_models
+    found: list[int] = []
+    for position, cap in enumerate(book.caps):
+        if (not cap.schedulable or (owned_only and cap.node.rented)
+                or cap.free_cpu < demand.cpu_milli or cap.free_mem < demand.memory_mb):
+            continue
+        if demand.gpus == 0:
+            fits = True
+        elif whole:
+            fits = sum(1 for p, milli in enumerate(cap.free_milli)
+                       if milli == WHOLE_GPU_MILLI and (not models or cap.node.gpus[p].model in models)) >= demand.gpus
+        else:
+            fits = any(milli >= demand.gpu_milli and (not models or cap.node.gpus[p].model in models)
+                       for p, milli in enumerate(cap.free_milli))
+        if fits:
+            found.append(position)
+            if len(found) >= limit:
+                break
+    return tuple(found)
 
 
 def _target_of(problem: Problem, book: Book, job_id: str) -> int:

@@ -2,11 +2,14 @@
 
 Every ``every`` arrivals the batch becomes the pending jobs of a :class:`Snapshot` of the whole
 cluster (every GPU's used share, free CPU and memory, every task placed so far as a running,
-checkpointable allocation, the task mix as the fragmentation workload, no cloud offers), and
-``scheduling.engine.schedule`` decides; its placements and defragmentation migrations are applied
-to the array cluster (which re-checks every one), whatever it leaves pending is dropped, as in the
-protocol.  Slow compared with :mod:`scheduling.sim.broker` (a 1,213-node snapshot per cycle:
-100 s per seed on 2026-11-29, 200-215 s on the share list on 2026-12-04).
+checkpointable allocation with the demand it would be placed again with, the task mix as the
+fragmentation workload, no cloud offers), and ``scheduling.engine.schedule`` decides; its
+defragmentation migrations and placements are applied to the array cluster (which re-checks every
+one). A task that the engine moved others for stays pending as in the broker, whose next cycle (run
+here at once, before anything else arrives) starts it on the room the moves made; whatever is left
+pending then is dropped, as in the protocol. ``movable=False`` gives the running tasks no demand, so
+nothing can be moved (the harness before 2026-12-07). Slow compared with :mod:`scheduling.sim.broker`
+(a 1,213-node snapshot per cycle: 100 s per seed on 2026-11-29, 200-230 s on 2026-12-07).
 """
 
 from __future__ import annotations
@@ -24,25 +27,34 @@ from scheduling.sim.cluster import MILLI, ArrayCluster, TaskSpec
 from scheduling.sim.protocol import ProtocolRun
 
 GPU_MEMORY_MB = 16_384
+# Cycles run at once for tasks that the engine moved others for (each may plan more moves).
+FOLLOW_UP_CYCLES = 2
+
+
+def _demand(idx: int, t: TaskSpec) -> JobDemand:
+    """Task ``idx`` as the engine sees it: pending, and when placed the demand it is moved with."""
+    return JobDemand(f"t{idx}", gpus=t.num_gpu, gpu_milli=t.gpu_milli if t.num_gpu else MILLI,
+                     allowed_models=tuple(sorted(t.gpu_models)) if t.gpu_models else (),
+                     cpu_milli=t.cpu_milli, memory_mb=t.memory_mib, submitted_at=float(idx))
 
 
 def _snapshot(cluster: ArrayCluster, batch: Sequence[tuple[int, TaskSpec]],
               placed: dict[int, tuple[TaskSpec, int, list[int]]], workload: tuple[WorkloadClass, ...],
-              seed: int, task_mix: tuple[WorkloadClass, ...] = ()) -> Snapshot:
+              seed: int, task_mix: tuple[WorkloadClass, ...] = (), movable: bool = True) -> Snapshot:
     nodes = []
     for i, spec in enumerate(cluster.nodes):
         gpus = tuple(GpuState(g, f"{spec.name}-{g}", spec.model, GPU_MEMORY_MB, GPU_MEMORY_MB,
                               milli_used=int(MILLI - cluster.gpu_free[i, g])) for g in range(spec.num_gpu))
         nodes.append(NodeState(spec.name, spec.name, gpus, spec.cpu_milli, spec.memory_mib,
                                int(cluster.cpu_free[i]), int(cluster.mem_free[i]), price_per_gpu_hour=1.0))
+    # Every placed task is a checkpointable job that has run long enough to be moved; with its
+    # demand the engine's defragmentation may move it to make room for a blocked task.
     running = tuple(RunningAllocation(f"t{idx}", cluster.names[node], tuple(gpus), gpu_milli=t.gpu_milli or MILLI,
                                       preemptible=True, checkpointable=True, run_seconds=1e6,
-                                      checkpoint_age_s=0.0, cpu_milli=t.cpu_milli, memory_mb=t.memory_mib)
+                                      checkpoint_age_s=0.0, cpu_milli=t.cpu_milli, memory_mb=t.memory_mib,
+                                      demand=_demand(idx, t) if movable else None)
                     for idx, (t, node, gpus) in sorted(placed.items()) if t.num_gpu > 0)
-    pending = tuple(JobDemand(f"t{idx}", gpus=t.num_gpu, gpu_milli=t.gpu_milli if t.num_gpu else MILLI,
-                              allowed_models=tuple(sorted(t.gpu_models)) if t.gpu_models else (),
-                              cpu_milli=t.cpu_milli, memory_mb=t.memory_mib, submitted_at=float(idx))
-                    for idx, t in batch)
+    pending = tuple(_demand(idx, t) for idx, t in batch)
     return Snapshot(now=0.0, nodes=tuple(nodes), pending=pending, running=running, workload=workload, seed=seed,
                     task_mix=task_mix)
 
@@ -59,9 +71,10 @@ def task_mix_of(tasks: Sequence[TaskSpec]) -> tuple[WorkloadClass, ...]:
 def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workload: Workload,
                       every: int = 64, seed: int = 0, policy: Policy | None = None,
                       schedule: Callable[[Snapshot, Policy | None], Plan] | None = None,
-                      tasks: Sequence[TaskSpec] | None = None) -> ProtocolRun:
+                      tasks: Sequence[TaskSpec] | None = None, movable: bool = True) -> ProtocolRun:
     """``tasks``: the whole task list, for the engine's scarce-homes term (without it the engine
-    derives it from the typical-task workload, which has no rare class)."""
+    derives it from the typical-task workload, which has no rare class). ``movable``: placed tasks
+    carry their demand, so the engine's defragmentation may move them."""
     if schedule is None:
         from scheduling.engine import schedule as engine_schedule
         schedule = engine_schedule
@@ -72,13 +85,12 @@ def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workl
     mix = task_mix_of(tasks) if tasks is not None else ()
     placed: dict[int, tuple[TaskSpec, int, list[int]]] = {}
     migrations = 0
-    batch: list[tuple[int, TaskSpec]] = []
-    for i, t in enumerate(arrivals):
-        batch.append((i, t))
-        if len(batch) < every and i < len(arrivals) - 1:
-            continue
-        plan = schedule(_snapshot(cluster, batch, placed, wl, seed, mix), policy)
-        for m in plan.migrations:  # defragmentation: source first, then target
+
+    def apply(plan: Plan, batch: list[tuple[int, TaskSpec]]) -> list[tuple[int, TaskSpec]]:
+        """Apply a plan's migrations (source first, then target) and placements; return the batch's
+        tasks that migrations were planned for and that are still waiting."""
+        nonlocal migrations
+        for m in plan.migrations:
             idx = int(m.job_id[1:])
             task, node, gpus = placed.pop(idx)
             cluster.release(node, gpus, task)
@@ -86,13 +98,29 @@ def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workl
             cluster.place(dest, list(m.to.gpu_indices), task)
             placed[idx] = (task, dest, list(m.to.gpu_indices))
             migrations += 1
-        tasks = dict(batch)
+        by_index = dict(batch)
         for p in plan.placements:
             idx = int(p.job_id[1:])
             node = index[p.parts[0].node_id]  # type: ignore[index]
-            gpus = list(p.parts[0].gpu_indices) if tasks[idx].num_gpu else []
-            cluster.place(node, gpus, tasks[idx])
-            placed[idx] = (tasks[idx], node, gpus)
+            gpus = list(p.parts[0].gpu_indices) if by_index[idx].num_gpu else []
+            cluster.place(node, gpus, by_index[idx])
+            placed[idx] = (by_index[idx], node, gpus)
+        helped = {int(m.for_job_id[1:]) for m in plan.migrations if m.for_job_id and m.reason == "defragmentation"}
+        return [(idx, t) for idx, t in batch if idx in helped and idx not in placed]
+
+    batch: list[tuple[int, TaskSpec]] = []
+    for i, t in enumerate(arrivals):
+        batch.append((i, t))
+        if len(batch) < every and i < len(arrivals) - 1:
+            continue
+        helped = apply(schedule(_snapshot(cluster, batch, placed, wl, seed, mix, movable), policy), batch)
+        # The broker keeps a task that others were moved for pending, and its next cycle (here at
+        # once, before anything else arrives) starts it on the room the moves made; what is still
+        # left then is dropped, as in the protocol.
+        for _ in range(FOLLOW_UP_CYCLES):
+            if not helped:
+                break
+            helped = apply(schedule(_snapshot(cluster, helped, placed, wl, seed, mix, movable), policy), helped)
         batch = []
     demand = np.array([t.total_milli for t in arrivals], dtype=np.float64)
     got = np.zeros(len(arrivals))
@@ -101,6 +129,7 @@ def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workl
     total = cluster.total_gpu_milli
     run = ProtocolRun(100.0 * np.cumsum(demand) / total, 100.0 * np.cumsum(got) / total)
     run.dropped = len(arrivals) - len(placed)
+    run.migrations = migrations
     # where each placed task ended (after any migration), for an independent replay
     run.placements = [(task.name, node, list(gpus)) for _, (task, node, gpus) in sorted(placed.items())]
     return run

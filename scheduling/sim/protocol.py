@@ -26,6 +26,7 @@ class ProtocolRun:
     alloc_pct: np.ndarray  # after each arrival, percent of GPU capacity allocated
     placements: list[tuple[str, int, list[int]]] = field(default_factory=list)  # name, node, gpus
     dropped: int = 0
+    migrations: int = 0  # tasks moved while running (whalezen-broker)
 
     def curve(self) -> dict[int, float]:
         """Mean allocation per arrived-demand percent (rounded half up), as published."""

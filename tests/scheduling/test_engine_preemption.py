@@ -128,6 +128,26 @@ def test_no_defragmentation_when_moved_jobs_cannot_be_placed_again():
     assert schedule(snap, POLICY).migrations == ()
 
 
+def test_defragmentation_moves_a_job_that_can_land_elsewhere_not_the_cheapest_one_that_cannot():
+    # Each node has 4 of 8 GPUs free and 20 free cores. The job with the least lost work on each
+    # node asks 30 cores, so no other node can take it; moving one of its 1-core neighbours instead
+    # still frees the fifth GPU the blocked job needs.
+    nodes = [gpu_node(n, used={g: 1000 for g in range(4)}, free_cpu=20_000) for n in ("n0", "n1")]
+    runs = []
+    for n in ("n0", "n1"):
+        hungry = f"{n}-hungry"
+        runs.append(RunningAllocation(
+            job_id=hungry, node_id=n, gpu_indices=(0,), tenant="acme", preemptible=True, checkpointable=True,
+            run_seconds=5000, checkpoint_age_s=10, cpu_milli=30_000, memory_mb=1024,
+            demand=job(hungry, gpus=1, cpu_milli=30_000)))
+        runs += [running(f"{n}-s{g}", n, [g]) for g in range(1, 4)]
+    plan = schedule(snapshot(nodes, [job("big", gpus=5)], running=runs), POLICY)
+    assert len(plan.migrations) == 1
+    move = plan.migrations[0]
+    assert "hungry" not in move.job_id and move.for_job_id == "big" and move.to.node_id != move.from_node_id
+    assert plan.pending["big"].code == ReasonCode.WAITING_FOR_DEFRAGMENTATION
+
+
 def test_planners_alone_on_a_snapshot():
     from scheduling.defrag import defragmentation_for
     from scheduling.preemption import preemptions_for

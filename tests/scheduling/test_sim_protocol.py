@@ -158,3 +158,37 @@ def test_engine_broker_with_the_real_engine_places_what_fits() -> None:
     run = run_engine_broker(cluster, arrivals, WL, every=5)
     assert run.dropped == 0
     assert cluster.allocated_milli == sum(t.total_milli for t in arrivals) == 4000
+
+
+@pytest.mark.parametrize("movable", [True, False])
+def test_engine_broker_moves_a_task_for_a_blocked_one_and_then_places_it(movable: bool) -> None:
+    # Two 2-GPU nodes, each with one 1-GPU task: no node has the 2 GPUs the last task needs. The
+    # engine moves one task next to the other and the broker's next cycle starts the blocked task
+    # on the node that move emptied; without movable tasks it is dropped.
+    from scheduling.engine import schedule as engine_schedule
+    from scheduling.model import Placement, PlacementPart, Plan, SolverInfo
+    from scheduling.sim.engine_broker import run_engine_broker
+
+    nodes = [NodeSpec("a", 16000, 64000, 2, "T4"), NodeSpec("b", 16000, 64000, 2, "T4")]
+    arrivals = [TaskSpec("t0", 1000, 1000, 1, 1000), TaskSpec("t1", 1000, 1000, 1, 1000),
+                TaskSpec("big", 1000, 1000, 2, 1000)]
+    calls = []
+
+    def spread_first(snapshot, policy=None):
+        calls.append([j.job_id for j in snapshot.pending])
+        if len(calls) == 1:  # the first cycle spreads the two small tasks, one per node
+            return Plan(placements=(Placement("t0", (PlacementPart((0,), node_id="a"),)),
+                                    Placement("t1", (PlacementPart((0,), node_id="b"),))),
+                        solver=SolverInfo("greedy", False, 0.0))
+        return engine_schedule(snapshot, policy)
+
+    cluster = ArrayCluster(nodes)
+    run = run_engine_broker(cluster, arrivals, WL, every=2, schedule=spread_first, movable=movable)
+    if movable:
+        assert calls == [["t0", "t1"], ["t2"], ["t2"]]  # the follow-up cycle holds only the moved-for task
+        assert run.migrations == 1 and run.dropped == 0
+        assert cluster.allocated_milli == 4000
+        assert sorted(name for name, _, _ in run.placements) == ["big", "t0", "t1"]
+    else:
+        assert calls == [["t0", "t1"], ["t2"]]
+        assert run.migrations == 0 and run.dropped == 1 and cluster.allocated_milli == 2000
