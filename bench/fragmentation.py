@@ -74,9 +74,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--broker-every", type=int, default=64,
                    help="whalezen-broker and whalezen-batch: arrivals per cycle")
     p.add_argument("--broker-moves", type=int, default=8, help="whalezen-batch: migrations per cycle")
-    p.add_argument("--broker-no-moves", action="store_true",
-                   help="whalezen-broker: placed tasks cannot be moved (the engine's defragmentation finds "
-                        "nothing to move), as the harness ran before 2026-12-07")
+    p.add_argument("--broker-defrag", action="store_true",
+                   help="whalezen-broker: placed tasks carry their demand, so the engine's defragmentation "
+                        "may move them (off by default: it costs gpuspec33 at 130%%, bench/README.md)")
     p.add_argument("--lookahead-power", type=_powers, default=None,
                    help="whalezen-online's look-ahead powers n in (1 - q)^n, comma-separated (the measure is "
                         "their mean; default: the policy's own, 2,10); for sweeps. 1 is FGD's measure")
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 from scheduling.sim.engine_broker import run_engine_broker
 
                 run = run_engine_broker(cluster, arrivals, workload, every=args.broker_every, seed=seed,
-                                        tasks=seed_tasks, movable=not args.broker_no_moves)
+                                        tasks=seed_tasks, movable=args.broker_defrag)
             elif name == BATCH:
                 run = run_broker(cluster, arrivals, workload, rng, every=args.broker_every,
                                  max_moves=args.broker_moves)
@@ -232,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "lookahead_power": list(args.lookahead_power) if args.lookahead_power else None,
                     "home_weight": args.home_weight,  # null: whalezen-online's own
                     "stranding_alpha": args.stranding_alpha,  # null: whalezen-online's own
-                    "broker_moves": not args.broker_no_moves,
+                    "broker_defrag": args.broker_defrag,
                     "upper_bound_unallocated_at_130": (
                         round(total_gpus - float(np.mean(bounds)) / MILLI, 1) if bounds else None),
                     "upper_bound_unallocated_at_100": (

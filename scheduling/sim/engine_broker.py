@@ -2,14 +2,15 @@
 
 Every ``every`` arrivals the batch becomes the pending jobs of a :class:`Snapshot` of the whole
 cluster (every GPU's used share, free CPU and memory, every task placed so far as a running,
-checkpointable allocation with the demand it would be placed again with, the task mix as the
-fragmentation workload, no cloud offers), and ``scheduling.engine.schedule`` decides; its
-defragmentation migrations and placements are applied to the array cluster (which re-checks every
-one). A task that the engine moved others for stays pending as in the broker, whose next cycle (run
-here at once, before anything else arrives) starts it on the room the moves made; whatever is left
-pending then is dropped, as in the protocol. ``movable=False`` gives the running tasks no demand, so
-nothing can be moved (the harness before 2026-12-07). Slow compared with :mod:`scheduling.sim.broker`
-(a 1,213-node snapshot per cycle: 100 s per seed on 2026-11-29, 200-230 s on 2026-12-07).
+checkpointable allocation, the task mix as the fragmentation workload, no cloud offers), and
+``scheduling.engine.schedule`` decides; its migrations and placements are applied to the array
+cluster (which re-checks every one); whatever it leaves pending is dropped, as in the protocol.
+With ``movable`` each placed task carries the demand it would be placed again with, so the engine's
+defragmentation can move it; a task that the engine moved others for then stays pending as in the
+broker, whose next cycle (run here at once, before anything else arrives) starts it on the room the
+moves made. Without it (the default, bench/README.md says why) nothing can be moved. Slow compared
+with :mod:`scheduling.sim.broker` (a 1,213-node snapshot per cycle: 100 s per seed on 2026-11-29,
+140-230 s on 2026-12-07).
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ def _demand(idx: int, t: TaskSpec) -> JobDemand:
 
 def _snapshot(cluster: ArrayCluster, batch: Sequence[tuple[int, TaskSpec]],
               placed: dict[int, tuple[TaskSpec, int, list[int]]], workload: tuple[WorkloadClass, ...],
-              seed: int, task_mix: tuple[WorkloadClass, ...] = (), movable: bool = True) -> Snapshot:
+              seed: int, task_mix: tuple[WorkloadClass, ...] = (), movable: bool = False) -> Snapshot:
     nodes = []
     for i, spec in enumerate(cluster.nodes):
         gpus = tuple(GpuState(g, f"{spec.name}-{g}", spec.model, GPU_MEMORY_MB, GPU_MEMORY_MB,
                               milli_used=int(MILLI - cluster.gpu_free[i, g])) for g in range(spec.num_gpu))
         nodes.append(NodeState(spec.name, spec.name, gpus, spec.cpu_milli, spec.memory_mib,
                                int(cluster.cpu_free[i]), int(cluster.mem_free[i]), price_per_gpu_hour=1.0))
-    # Every placed task is a checkpointable job that has run long enough to be moved; with its
-    # demand the engine's defragmentation may move it to make room for a blocked task.
+    # Every placed task is a checkpointable job that has run long enough to be moved; only with its
+    # demand (``movable``) may the engine's defragmentation move it to make room for a blocked task.
     running = tuple(RunningAllocation(f"t{idx}", cluster.names[node], tuple(gpus), gpu_milli=t.gpu_milli or MILLI,
                                       preemptible=True, checkpointable=True, run_seconds=1e6,
                                       checkpoint_age_s=0.0, cpu_milli=t.cpu_milli, memory_mb=t.memory_mib,
@@ -71,7 +72,7 @@ def task_mix_of(tasks: Sequence[TaskSpec]) -> tuple[WorkloadClass, ...]:
 def run_engine_broker(cluster: ArrayCluster, arrivals: Sequence[TaskSpec], workload: Workload,
                       every: int = 64, seed: int = 0, policy: Policy | None = None,
                       schedule: Callable[[Snapshot, Policy | None], Plan] | None = None,
-                      tasks: Sequence[TaskSpec] | None = None, movable: bool = True) -> ProtocolRun:
+                      tasks: Sequence[TaskSpec] | None = None, movable: bool = False) -> ProtocolRun:
     """``tasks``: the whole task list, for the engine's scarce-homes term (without it the engine
     derives it from the typical-task workload, which has no rare class). ``movable``: placed tasks
     carry their demand, so the engine's defragmentation may move them."""
