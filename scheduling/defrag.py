@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scheduling.book import Book
+from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.greedy import place_greedily
 from scheduling.model import (
     WHOLE_GPU_MILLI, JobDemand, Migration, PlacementPart, Policy, RunningAllocation, Snapshot,
 )
-from scheduling.capacity import NodeCapacity
 from scheduling.problem import Problem, build_problem, class_fields
 from scheduling.whatif import can_move, could_ever_fit, minimal_victims, node_target, release, running_by_node
 
@@ -44,7 +44,7 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
     hopeless: set[tuple] = set()
     # Where each movable demand could go now (`_room_elsewhere`); a job with nowhere to go is
     # never taken as a victim, so the search does not spend a what-if placement on it.
-    homes: dict[tuple, tuple[int, ...] | None] = {}
+    homes: dict[tuple, tuple[int, ...]] = {}
     order = sorted(pending, key=lambda j: (-problem.jobs_by_id[j].priority, problem.jobs_by_id[j].submitted_at, j))
     for job_id in order[:JOBS_CONSIDERED]:
         if len(plan) >= budget:
@@ -66,7 +66,7 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
         options = []
         for position in compatible:
             movable = [a for a in by_node.get(position, []) if a.job_id not in moved and can_move(a, policy, job.priority)
-                       and _room_elsewhere(book, position, a.demand, False, homes)]  # type: ignore[arg-type]
+                       and _room_elsewhere(problem, book, position, a.demand, False, homes)]  # type: ignore[arg-type]
             if not movable or not _could_make_room(problem, job, book.caps[position], position, movable):
                 continue
             found = minimal_victims(problem, job, book, position, movable)
@@ -122,7 +122,7 @@ def replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[Ru
                       owned_only: bool = False):
     """Place every mover on another node of the current book (what-if); None if any fails.
     `owned_only`: not on rented instances (moving an owned job to make room must not rent)."""
-    if not all(_room_elsewhere(book, source, a.demand, owned_only) for a in movers):  # type: ignore[arg-type]
+    if not all(_room_elsewhere(problem, book, source, a.demand, owned_only) for a in movers):  # type: ignore[arg-type]
         return None
     capacities = [cap.copy() for cap in book.caps]
     capacities[source].schedulable = False  # a moved job must land somewhere else
@@ -147,40 +147,35 @@ def replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[Ru
     return result
 
 
-def _room_elsewhere(book: Book, source: int, demand: JobDemand, owned_only: bool,
-                    memo: dict[tuple, tuple[int, ...] | None] | None = None) -> bool:
+def _room_elsewhere(problem: Problem, book: Book, source: int, demand: JobDemand, owned_only: bool,
+                    memo: dict[tuple, tuple[int, ...]] | None = None) -> bool:
     """A necessary condition for the what-if placement of one mover, checked on the book's free
-    capacity without building a problem: a node other than `source` has its CPU, memory and GPUs
-    free. A demand the check cannot read simply (compute units, per-model counts, several nodes)
-    passes. `memo`: the first two such nodes per demand, valid while the book does not change."""
-    if demand.compute_units is not None or demand.gpus_by_model or demand.nodes > 1:
+    capacity without building a problem: a node other than `source` has its CPU, memory and
+    eligible GPUs free (`NodeCapacity.eligible`; filters and NVLink islands are left to the what-if
+    run). A multi-node demand passes. `memo`: the first two such nodes per demand, valid while the
+    book does not change."""
+    if demand.nodes > 1:
         return True
-    key = class_fields(demand)
-    if memo is None or key not in memo:
-        homes = _free_homes(book, demand, owned_only, limit=2)
-        if memo is None:
-            return any(p != source for p in homes)
-        memo[key] = homes
+    memo = {} if memo is None else memo
+    key = (owned_only,) + class_fields(demand)
+    if key not in memo:
+        memo[key] = _free_homes(problem, book, demand, owned_only, limit=2)
     return any(p != source for p in memo[key])
 
 
-def _free_homes(book: Book, demand: JobDemand, owned_only: bool, limit: int) -> tuple[int, ...]:
-    whole = demand.gpus > 0 and demand.gpu_milli >= WHOLE_GPU_MILLI
-    models = demand.allowed_models
+def _free_homes(problem: Problem, book: Book, demand: JobDemand, owned_only: bool, limit: int) -> tuple[int, ...]:
+    parts: dict[str, PartDemand | None] = {}  # per GPU model: a node has one in practice
     found: list[int] = []
     for position, cap in enumerate(book.caps):
         if (not cap.schedulable or (owned_only and cap.node.rented)
                 or cap.free_cpu < demand.cpu_milli or cap.free_mem < demand.memory_mb):
             continue
-        if demand.gpus == 0:
-            fits = True
-        elif whole:
-            fits = sum(1 for p, milli in enumerate(cap.free_milli)
-                       if milli == WHOLE_GPU_MILLI and (not models or cap.node.gpus[p].model in models)) >= demand.gpus
-        else:
-            fits = any(milli >= demand.gpu_milli and (not models or cap.node.gpus[p].model in models)
-                       for p, milli in enumerate(cap.free_milli))
-        if fits:
+        model = node_target(cap, position).gpu_model
+        if model not in parts:
+            parts[model] = problem.pricing.part(demand, model)
+        part = parts[model]
+        if part is not None and (part.gpus == 0 or sum(
+                cap.eligible(p, part) for p in range(len(cap.node.gpus))) >= part.gpus):
             found.append(position)
             if len(found) >= limit:
                 break
