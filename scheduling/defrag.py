@@ -7,6 +7,8 @@ Rules (DESIGN.md, issue 4):
   least `Policy.min_run_before_move_s`, and are not above the blocked job's priority, are moved;
 - before proposing, every moved job is placed again elsewhere on the capacity left after this
   cycle (a what-if run of the greedy placer); if any cannot be, nothing is proposed;
+- the plan may not leave more GPUs partly used than it found (`improve`'s rule for its own moves):
+  a share moved onto a whole GPU must be paid for by a split GPU the plan fills;
 - at most `Policy.max_moves_per_cycle` moves per cycle in total.
 """
 
@@ -75,7 +77,7 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
                                 position, found))
         for _, _, _, position, (movers, target, part, positions) in sorted(options)[:NODES_TRIED]:
             destinations = replace_elsewhere(problem, book, position, movers)
-            if destinations is None:
+            if destinations is None or _splits_more(book, position, movers, part, positions, destinations):
                 continue
             cap = book.caps[position]
             for allocation in movers:
@@ -116,6 +118,27 @@ def _could_make_room(problem: Problem, job: JobDemand, cap: NodeCapacity, positi
     touched = {p for a in movable for p in cap.positions_of(a.gpu_indices)}
     freeable = sum(1 for p, milli in enumerate(cap.free_milli) if milli == WHOLE_GPU_MILLI or p in touched)
     return freeable >= part.gpus
+
+
+def _splits_more(book: Book, source: int, movers: list[RunningAllocation], part: PartDemand,
+                 positions: tuple[int, ...], destinations: list) -> bool:
+    """The plan (movers out, the blocked job in, movers placed at `destinations`) would leave more
+    GPUs partly used than it found: `improve`'s rule for its own moves. A share moved onto a whole
+    GPU leaves a sliver beside it that later whole-GPU jobs cannot use; on the gpuspec33 list such
+    moves started T4-only tasks early but left the engine 0.2 points lower at 130% arrived."""
+    after = {source: book.caps[source].copy()}
+    for allocation in movers:
+        release(after[source], allocation)
+    after[source].take(positions, part)
+    for (to_position, to_part, to_positions) in destinations:
+        if to_position not in after:
+            after[to_position] = book.caps[to_position].copy()
+        after[to_position].take(to_positions, to_part)
+    return sum(_split(after[p]) - _split(book.caps[p]) for p in after) > 0
+
+
+def _split(cap: NodeCapacity) -> int:
+    return sum(1 for milli in cap.free_milli if 0 < milli < WHOLE_GPU_MILLI)
 
 
 def replace_elsewhere(problem: Problem, book: Book, source: int, movers: list[RunningAllocation],

@@ -167,3 +167,34 @@ def test_preemption_when_most_nodes_are_offline():
     plan = schedule(snap, POLICY)
     assert [p.victim_job_id for p in plan.preemptions] == ["v"]
     assert plan.pending["urgent"].data["previous"] == "NODE_NOT_READY"
+
+
+def shares_on_a_t4_node_and_an_a100_node(a100_used: int):
+    # n0: two T4s, each 600 milli taken by a movable share, so a 600-milli T4-only share has 800
+    # milli free in total but no GPU with 600. n1: two A100s, the first with `a100_used` milli taken.
+    nodes = [gpu_node("n0", gpus=2, model="T4", memory_mb=16 * 1024, used={0: 600, 1: 600}),
+             gpu_node("n1", gpus=2, used={0: a100_used})]
+    runs = [RunningAllocation(
+        job_id=f"s{g}", node_id="n0", gpu_indices=(g,), tenant="acme", gpu_milli=600, preemptible=True,
+        checkpointable=True, run_seconds=5000, checkpoint_age_s=10, cpu_milli=1000, memory_mb=1024,
+        demand=job(f"s{g}", gpu_milli=600)) for g in range(2)]
+    runs.append(RunningAllocation(job_id="a", node_id="n1", gpu_indices=(0,), tenant="acme", gpu_milli=a100_used,
+                                  preemptible=False, checkpointable=False, run_seconds=5000, cpu_milli=1000,
+                                  memory_mb=1024))
+    blocked = job("t4-only", gpu_milli=600, allowed_models=("T4",))
+    return snapshot(nodes, [blocked], running=runs)
+
+
+def test_defragmentation_moves_a_share_onto_a_gpu_already_split():
+    # The A100 split 400/600 takes a moved 600-milli share exactly: no GPU is left newly split.
+    plan = schedule(shares_on_a_t4_node_and_an_a100_node(400), POLICY)
+    assert [(m.from_node_id, m.to.node_id, m.to.gpu_indices) for m in plan.migrations] == [("n0", "n1", (0,))]
+    assert plan.pending["t4-only"].code == ReasonCode.WAITING_FOR_DEFRAGMENTATION
+
+
+def test_defragmentation_does_not_split_a_whole_gpu_for_a_moved_share():
+    # The only room for a moved share is a whole A100: the move would start the blocked share but
+    # leave one more GPU split than before (a 400-milli sliver few later jobs can use), so no move.
+    plan = schedule(shares_on_a_t4_node_and_an_a100_node(700), POLICY)
+    assert plan.migrations == ()
+    assert "t4-only" in plan.pending
