@@ -74,9 +74,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--broker-every", type=int, default=64,
                    help="whalezen-broker and whalezen-batch: arrivals per cycle")
     p.add_argument("--broker-moves", type=int, default=8, help="whalezen-batch: migrations per cycle")
-    p.add_argument("--broker-defrag", action="store_true",
+    p.add_argument("--broker-defrag", action=argparse.BooleanOptionalAction, default=True,
                    help="whalezen-broker: placed tasks carry their demand, so the engine's defragmentation "
-                        "may move them (off by default: it costs gpuspec33 at 130%%, bench/README.md)")
+                        "may move them, as the broker does (default); --no-broker-defrag keeps every task "
+                        "where it was placed (the figures before 2026-12-07, bench/README.md)")
     p.add_argument("--lookahead-power", type=_powers, default=None,
                    help="whalezen-online's look-ahead powers n in (1 - q)^n, comma-separated (the measure is "
                         "their mean; default: the policy's own, 2,10); for sweeps. 1 is FGD's measure")

@@ -8,7 +8,8 @@ cluster (which re-checks every one); whatever it leaves pending is dropped, as i
 With ``movable`` each placed task carries the demand it would be placed again with, so the engine's
 defragmentation can move it; a task that the engine moved others for then stays pending as in the
 broker, whose next cycle (run here at once, before anything else arrives) starts it on the room the
-moves made. Without it (the default, bench/README.md says why) nothing can be moved. Slow compared
+moves made (``bench.fragmentation``'s default since 2026-12-07). Without it nothing can be moved
+(``--no-broker-defrag``, the harness before that day). Slow compared
 with :mod:`scheduling.sim.broker` (a 1,213-node snapshot per cycle: 100 s per seed on 2026-11-29,
 140-230 s on 2026-12-07).
 """

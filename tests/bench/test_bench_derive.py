@@ -135,10 +135,10 @@ def test_read_back_of_generated_files_is_consistent(tmp_path: Path) -> None:
     assert len(read_nodes(npath)) == 9 and len(read_tasks(ppath)) == 40
 
 
-@pytest.mark.parametrize("defrag", [[], ["--broker-defrag"]])
+@pytest.mark.parametrize("defrag", [["--no-broker-defrag"], []])
 def test_engine_broker_placements_on_a_derived_list_pass_the_check(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], defrag: list[str]) -> None:
-    # With --broker-defrag the file holds where each task ended, after any move.
+    # With moves (the default) the file holds where each task ended, after any move.
     npath, ppath = write_data(tmp_path)
     placements = tmp_path / "placements.csv"
     result = fragmentation.main(["--nodes", str(npath), "--pods", str(ppath), "--derive", "constrained", "--seeds",
@@ -146,7 +146,7 @@ def test_engine_broker_placements_on_a_derived_list_pass_the_check(
                                  "--json", "--placements-out", str(placements), "--placements-policy",
                                  "whalezen-broker", *defrag])
     capsys.readouterr()
-    assert result["broker_defrag"] is bool(defrag) and result["policies"]["fgd"]["migrations"] == 0
+    assert result["broker_defrag"] is (not defrag) and result["policies"]["fgd"]["migrations"] == 0
     with open(placements, newline="") as f:
         rows = list(csv.DictReader(f))
     assert rows and all(r["name"].split("#")[0].startswith("t") for r in rows)
