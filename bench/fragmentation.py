@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from bench.derive import DERIVATIONS, derive
+from bench.leftover import leftover, leftover_table, mean_leftover
 from bench.loaders import read_nodes, read_tasks
 from bench.plots import pyplot, save
 from scheduling.fragmentation import workload_from_tasks
@@ -96,6 +97,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--curve", action="store_true",
                    help="print the mean allocation at every integer point from --curve-from to the target")
     p.add_argument("--curve-from", type=int, default=50)
+    p.add_argument("--leftover", action="store_true",
+                   help="split each policy's free GPU capacity at the end (whole GPUs, nodes where nothing of the "
+                        "list fits, gaps by what occupies the GPU; bench/leftover.py); mean over seeds")
     p.add_argument("--out", help="folder for the allocation-curve PNG")
     p.add_argument("--published", help="fgd_allo.csv to overlay the published curves on the plot")
     return p.parse_args(argv)
@@ -180,9 +184,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.placements_out and args.placements_policy == BATCH:
         raise SystemExit("--placements-policy: whalezen-batch does not record its placements")
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.leftover and BATCH in names:
+        raise SystemExit("--leftover: whalezen-batch does not record its placements; leave it out of --policies")
     nodes = read_nodes(args.nodes)
     tasks = read_tasks(args.pods)
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
     cluster = ArrayCluster(nodes)
     total_gpus = cluster.total_gpu_milli / MILLI
     target_pct = int(round(args.target * 100))
@@ -190,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     seconds: dict[str, float] = {n: 0.0 for n in names}
     bounds: list[float] = []
     bounds100: list[float] = []
+    leftovers: dict[str, list[dict]] = {n: [] for n in names}
     for i in range(args.seeds):
         seed = args.first_seed + i
         # A derived list is drawn per seed (only `constrained` on a list naming no model uses the
@@ -215,9 +222,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 policy = make_policy(name, workload, lookahead_powers=args.lookahead_power,
                                      tasks=seed_tasks, home_weight=args.home_weight,
                                      stranding_alpha=args.stranding_alpha)
-                run = run_online(cluster, arrivals, policy, rng, record)
+                run = run_online(cluster, arrivals, policy, rng, record or args.leftover)
             seconds[name] += time.perf_counter() - t0
             runs[name].append(run)
+            if args.leftover:
+                by_name = {t.name: t for t in arrivals}
+                leftovers[name].append(leftover(nodes, seed_tasks, (
+                    (by_name[task], node, gpus) for task, node, gpus in run.placements)))
             if record:
                 write_placements(args.placements_out, run, cluster.names)
         if not args.no_bound:
@@ -246,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         result["policies"][n]["curve"] = {str(k): round(curves[n][k], 3) for k in points if k in curves[n]}
         if "fgd" in curves and n != "fgd":
             result["policies"][n]["behind_fgd_at"] = behind(curves[n], curves["fgd"], points)
+        if args.leftover:
+            result["policies"][n]["leftover"] = mean_leftover(leftovers[n])
     print(f"{'policy':<18}{'alloc@100':>10}{'alloc@130':>10}{'unalloc GPUs':>14}{'s/seed':>8}")
     for n in names:
         s = result["policies"][n]
@@ -257,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"at 100% (only the tasks arrived by then)")
     if args.curve:
         print(curve_table(curves, names, points))
+    if args.leftover:
+        print(leftover_table({n: result["policies"][n]["leftover"] for n in names}))
     if args.out:
         # the published curves are of the published lists, not of a derived one
         pub = published_curves(args.published, args.pods) if args.published and not args.derive else {}
