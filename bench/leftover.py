@@ -3,7 +3,7 @@
 A policy's figure at 130% says how much is left, not why. This replays a run's final placements
 (each task where it ended) on an empty cluster and splits the free GPU capacity three ways:
 
-- whole GPUs that nothing uses;
+- whole GPUs that nothing uses, also by node shape (model and GPU count: `T4x2`);
 - capacity on nodes where no GPU task of the list fits any more (by GPU share or count, CPU,
   memory and model): stranded for good, whatever arrives next;
 - the gaps of partly used GPUs, grouped by what occupies the GPU (``[810]``: one task of 0.81 GPU),
@@ -78,11 +78,15 @@ def leftover(nodes: Sequence[NodeSpec], list_tasks: Sequence[TaskSpec],
     classes = _Classes(list_tasks)
     free_total = whole = stranded = 0
     groups: dict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])  # occupants -> [GPUs, free milli]
+    whole_by_shape: dict[str, int] = defaultdict(int)
     for i, node in enumerate(nodes):
         gpu_free = MILLI - gpu_used[i]
         node_free = int(gpu_free.sum())
         free_total += node_free
-        whole += int((gpu_free == MILLI).sum()) * MILLI
+        whole_here = int((gpu_free == MILLI).sum())
+        whole += whole_here * MILLI
+        if whole_here:
+            whole_by_shape[f"{node.model}x{node.num_gpu}"] += whole_here
         if node_free and not classes.any_fits(node.model, gpu_free, node.cpu_milli - int(cpu_used[i]),
                                               node.memory_mib - int(mem_used[i])):
             stranded += node_free
@@ -97,6 +101,7 @@ def leftover(nodes: Sequence[NodeSpec], list_tasks: Sequence[TaskSpec],
         bands[next(label for bound, label in FIT_BANDS if fraction < bound)] += free
     top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:TOP_GROUPS]
     return {"free_gpus": free_total / MILLI, "whole_free_gpus": whole / MILLI,
+            "whole_free_by_shape": dict(sorted(whole_by_shape.items(), key=lambda kv: -kv[1])),
             "free_where_nothing_fits": stranded / MILLI,
             "partly_used_gpus": sum(g[0] for g in groups.values()),
             "gap_free_by_list_fraction_that_fits": {label: free / MILLI for label, free in bands.items()},
@@ -110,6 +115,12 @@ def mean_leftover(per_seed: Sequence[dict]) -> dict:
     n = max(len(per_seed), 1)
     out = {k: round(sum(s[k] for s in per_seed) / n, 1)
            for k in ("free_gpus", "whole_free_gpus", "free_where_nothing_fits", "partly_used_gpus")}
+    shapes: dict[str, float] = defaultdict(float)
+    for s in per_seed:
+        for shape, gpus in s["whole_free_by_shape"].items():
+            shapes[shape] += gpus / n
+    out["whole_free_by_shape"] = {shape: round(gpus, 1) for shape, gpus in
+                                  sorted(shapes.items(), key=lambda kv: -kv[1])[:TOP_GROUPS]}
     out["gap_free_by_list_fraction_that_fits"] = {
         label: round(sum(s["gap_free_by_list_fraction_that_fits"][label] for s in per_seed) / n, 1)
         for _, label in FIT_BANDS}
@@ -133,6 +144,9 @@ def leftover_table(by_policy: dict[str, dict]) -> str:
         lines.append(f"{name}: {s['free_gpus']:.1f} GPUs free at the end; whole GPUs {s['whole_free_gpus']:.1f}; "
                      f"on nodes where no task of the list fits {s['free_where_nothing_fits']:.1f}; "
                      f"{s['partly_used_gpus']:.0f} GPUs partly used")
+        if s["whole_free_by_shape"]:
+            lines.append("    whole GPUs free by node shape: " + ", ".join(
+                f"{shape} {gpus:.1f}" for shape, gpus in s["whole_free_by_shape"].items()))
         lines.append("    gaps by the fraction of the list's GPU tasks that fit them: " + ", ".join(
             f"{label} {free:.1f}" for label, free in s["gap_free_by_list_fraction_that_fits"].items()))
         for g in s["gaps"]:

@@ -32,6 +32,7 @@ def test_gaps_are_grouped_by_what_occupies_the_gpu_and_priced_by_what_of_the_lis
     out = leftover(NODES, tasks, [(BIG, 0, [0]), (HALF, 0, [1]), (BIG, 2, [0])])
     assert out["free_gpus"] == pytest.approx(0.19 + 0.5 + 2 + 0.19 + 1)  # b is empty
     assert out["whole_free_gpus"] == 3  # b's two and c's second
+    assert out["whole_free_by_shape"] == {"T4x2": 2, "G2x2": 1}
     assert out["partly_used_gpus"] == 3
     beside_half, beside_big = out["gaps"]  # the largest free capacity first
     assert beside_half == {"occupants": [500], "gpus": 1, "free_gpus": 0.5, "list_fraction_that_fits": 0.75}
@@ -73,6 +74,7 @@ def test_the_mean_over_seeds_merges_groups() -> None:
     mean = mean_leftover([one, two])
     assert mean["gaps"][0] == {"occupants": [810], "gpus": 2.0, "free_gpus": 0.4, "list_fraction_that_fits": 0.5}
     assert mean["gap_free_by_list_fraction_that_fits"]["5% or more"] == 0.4
+    assert mean["whole_free_by_shape"] == {"T4x2": 2.5, "G2x2": 1.5}  # (3 + 2) / 2 and (2 + 1) / 2
     assert mean["free_gpus"] == pytest.approx((one["free_gpus"] + two["free_gpus"]) / 2, abs=0.05)
 
 
