@@ -206,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             [(t.cpu_milli, t.memory_mib, t.gpu_milli, t.num_gpu, t.gpu_models) for t in seed_tasks])
         arrivals: list[TaskSpec] = build_arrivals(seed_tasks, cluster.total_gpu_milli,
                                                   np.random.default_rng(seed), args.target)
+        by_name = {t.name: t for t in arrivals} if args.leftover else {}  # --leftover: each placed task's demand
         for name in names:
             rng = np.random.default_rng([seed, 1])
             t0 = time.perf_counter()
@@ -226,7 +227,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
             seconds[name] += time.perf_counter() - t0
             runs[name].append(run)
             if args.leftover:
-                by_name = {t.name: t for t in arrivals}
                 leftovers[name].append(leftover(nodes, seed_tasks, (
                     (by_name[task], node, gpus) for task, node, gpus in run.placements)))
             if record:

@@ -11,7 +11,7 @@ A policy's figure at 130% says how much is left, not why. This replays a run's f
   by that fraction (under 1%, 1-5%, 5% or more of the list).
 
 The last column is what bounds any policy that places every task that fits: a gap beside a 0.81
-task can only take tasks of at most 0.19 GPU, and on the default list they are 1.3% of the tasks.
+task can only take tasks of at most 0.19 GPU, and on the default list they are 1.5% of the GPU tasks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from scheduling.sim.cluster import MILLI, NodeSpec, TaskSpec
+from scheduling.sim.cluster import MILLI, ArrayCluster, NodeSpec, TaskSpec
 
 # Occupant groups listed per run, largest free capacity first.
 TOP_GROUPS = 6
@@ -33,14 +33,14 @@ class _Classes:
     """The list's GPU tasks as arrays, to ask of a node's end state: does any of them still fit?"""
 
     def __init__(self, tasks: Sequence[TaskSpec]) -> None:
-        kinds = sorted({t.type_key for t in tasks if t.num_gpu > 0})
+        gpu_tasks = [t for t in tasks if t.num_gpu > 0]
+        kinds = sorted({t.type_key for t in gpu_tasks})
         self.cpu = np.array([k[0] for k in kinds], dtype=np.int64)
         self.mem = np.array([k[1] for k in kinds], dtype=np.int64)
         self.gpus = np.array([k[2] for k in kinds], dtype=np.int64)
         self.milli = np.array([k[3] for k in kinds], dtype=np.int64)
         self._models = [k[4] for k in kinds]
         self._allowed: dict[str, np.ndarray] = {}
-        gpu_tasks = [t for t in tasks if t.num_gpu > 0]
         shares = np.array([t.gpu_milli for t in gpu_tasks if t.num_gpu == 1], dtype=np.int64)
         self._share_sorted = np.sort(shares)
         self._gpu_task_count = max(len(gpu_tasks), 1)
@@ -64,41 +64,38 @@ class _Classes:
 def leftover(nodes: Sequence[NodeSpec], list_tasks: Sequence[TaskSpec],
              placements: Iterable[tuple[TaskSpec, int, Sequence[int]]]) -> dict:
     """Free GPU capacity of the end state that ``placements`` (task, node index, GPU indices) leave,
-    split as the module docstring says; GPU figures in GPUs."""
-    gpu_used = [np.zeros(n.num_gpu, dtype=np.int64) for n in nodes]
-    cpu_used = np.zeros(len(nodes), dtype=np.int64)
-    mem_used = np.zeros(len(nodes), dtype=np.int64)
+    split as the module docstring says; GPU figures in GPUs. The replay is on the simulator's own
+    cluster, which refuses a placement that does not fit."""
+    cluster = ArrayCluster(nodes)
     occupants: dict[tuple[int, int], list[int]] = defaultdict(list)
     for task, node, gpus in placements:
+        cluster.place(node, list(gpus), task)
         for g in gpus:
-            gpu_used[node][g] += task.gpu_milli
             occupants[(node, g)].append(task.gpu_milli)
-        cpu_used[node] += task.cpu_milli
-        mem_used[node] += task.memory_mib
     classes = _Classes(list_tasks)
     free_total = whole = stranded = 0
     groups: dict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])  # occupants -> [GPUs, free milli]
     whole_by_shape: dict[str, int] = defaultdict(int)
     for i, node in enumerate(nodes):
-        gpu_free = MILLI - gpu_used[i]
+        gpu_free = cluster.gpu_free[i, :node.num_gpu]
         node_free = int(gpu_free.sum())
         free_total += node_free
         whole_here = int((gpu_free == MILLI).sum())
         whole += whole_here * MILLI
         if whole_here:
             whole_by_shape[f"{node.model}x{node.num_gpu}"] += whole_here
-        if node_free and not classes.any_fits(node.model, gpu_free, node.cpu_milli - int(cpu_used[i]),
-                                              node.memory_mib - int(mem_used[i])):
+        if node_free and not classes.any_fits(node.model, gpu_free, int(cluster.cpu_free[i]),
+                                              int(cluster.mem_free[i])):
             stranded += node_free
         for g, free in enumerate(gpu_free.tolist()):
             if 0 < free < MILLI:
                 group = groups[tuple(sorted(occupants[(i, g)], reverse=True))]
                 group[0] += 1
                 group[1] += free
+    fractions = {key: classes.fraction_fitting_gap(MILLI - sum(key)) for key in groups}
     bands = {label: 0 for _, label in FIT_BANDS}
     for key, (_, free) in groups.items():
-        fraction = classes.fraction_fitting_gap(MILLI - sum(key))
-        bands[next(label for bound, label in FIT_BANDS if fraction < bound)] += free
+        bands[next(label for bound, label in FIT_BANDS if fractions[key] < bound)] += free
     top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:TOP_GROUPS]
     return {"free_gpus": free_total / MILLI, "whole_free_gpus": whole / MILLI,
             "whole_free_by_shape": dict(sorted(whole_by_shape.items(), key=lambda kv: -kv[1])),
@@ -106,7 +103,7 @@ def leftover(nodes: Sequence[NodeSpec], list_tasks: Sequence[TaskSpec],
             "partly_used_gpus": sum(g[0] for g in groups.values()),
             "gap_free_by_list_fraction_that_fits": {label: free / MILLI for label, free in bands.items()},
             "gaps": [{"occupants": list(key), "gpus": count, "free_gpus": free / MILLI,
-                      "list_fraction_that_fits": round(classes.fraction_fitting_gap(MILLI - sum(key)), 4)}
+                      "list_fraction_that_fits": round(fractions[key], 4)}
                      for key, (count, free) in top]}
 
 
