@@ -20,7 +20,8 @@ When the owned capacity has room for an instance's lone job in total but not on 
 fragmented), the job is brought home by defragmenting first (`_home_by_defragmenting`): the fewest
 movable jobs of one owned node are moved to other owned nodes (what-if placed there first) and the
 instance's job takes the room they leave, all in one plan, the movers listed first. It must pay
-the same way, with every mover's restart priced at the instance's price per GPU. Measured in
+the same way, with every mover's restart priced at the instance's price per GPU, and it may not
+leave more owned GPUs split between jobs than it found (`defrag.splits_more`). Measured in
 bench.fairshare: owned GPUs stood idle in fragments while 8-GPU jobs rented whole instances for
 days.
 
@@ -36,7 +37,7 @@ from scheduling.capacity import NodeCapacity, PartDemand
 from scheduling.model import WHOLE_GPU_MILLI, Migration, PlacementPart, RunningAllocation
 from scheduling.problem import Problem
 from scheduling.quota import quota_governed
-from scheduling.defrag import NODES_TRIED, replace_elsewhere
+from scheduling.defrag import NODES_TRIED, replace_elsewhere, splits_more
 from scheduling.whatif import (
     can_move, could_ever_fit, fits_on, minimal_victims, release, remaining_run_s, running_by_node,
 )
@@ -128,7 +129,7 @@ def _home_by_defragmenting(problem: Problem, book: Book, source: int, allocation
     node = problem.capacities[source].node
     for _, _, _, position, (movers, target, part, positions) in sorted(options)[:NODES_TRIED]:
         destinations = replace_elsewhere(problem, book, position, movers, owned_only=True)
-        if destinations is None:
+        if destinations is None or splits_more(book, position, movers, part, positions, destinations):
             continue
         if not _pays(problem, source, [allocation], [(position, part, positions)], [remaining_s], movers):
             return []

@@ -77,7 +77,7 @@ def plan_defragmentation(problem: Problem, book: Book, pending: list[str]) -> tu
                                 position, found))
         for _, _, _, position, (movers, target, part, positions) in sorted(options)[:NODES_TRIED]:
             destinations = replace_elsewhere(problem, book, position, movers)
-            if destinations is None or _splits_more(book, position, movers, part, positions, destinations):
+            if destinations is None or splits_more(book, position, movers, part, positions, destinations):
                 continue
             cap = book.caps[position]
             for allocation in movers:
@@ -120,11 +120,12 @@ def _could_make_room(problem: Problem, job: JobDemand, cap: NodeCapacity, positi
     return freeable >= part.gpus
 
 
-def _splits_more(book: Book, source: int, movers: list[RunningAllocation], part: PartDemand,
-                 positions: tuple[int, ...], destinations: list) -> bool:
-    """The plan (movers out, the blocked job in, movers placed at `destinations`) would leave more
-    GPUs partly used than it found: `improve`'s rule for its own moves. A share moved onto a whole
-    GPU leaves a sliver beside it that later whole-GPU jobs cannot use; on the gpuspec33 list such
+def splits_more(book: Book, source: int, movers: list[RunningAllocation], part: PartDemand,
+                positions: tuple[int, ...], destinations: list) -> bool:
+    """The plan (movers out, the job it makes room for in, movers placed at `destinations`) would
+    leave more GPUs partly used than it found: `improve`'s rule for its own moves, also kept by
+    consolidation when it makes room at home for a rented job. A share moved onto a whole GPU
+    leaves a sliver beside it that later whole-GPU jobs cannot use; on the gpuspec33 list such
     moves started T4-only tasks early but left the engine 0.2 points lower at 130% arrived."""
     after = {source: book.caps[source].copy()}
     for allocation in movers:

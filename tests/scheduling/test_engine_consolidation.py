@@ -146,3 +146,38 @@ def test_the_validator_lets_a_move_land_only_on_gpus_a_move_listed_before_it_lea
     assert plan_violations(snap, Plan(migrations=(leave, come))) == []
     out_of_order = plan_violations(snap, Plan(migrations=(come, leave)))
     assert "big: GPU 0 on node-a over-allocated or unhealthy" in out_of_order
+
+
+
+def share(job_id: str, node_id: str, milli: int) -> RunningAllocation:
+    return RunningAllocation(job_id, node_id, (0,), tenant="acme", gpu_milli=milli, run_seconds=3600.0,
+                             checkpoint_age_s=60.0, restart_cost_s=120.0, cpu_milli=1000, memory_mb=1024,
+                             checkpointable=True, preemptible=True,
+                             demand=job(job_id, gpu_milli=milli, expected_duration_hours=8.0))
+
+
+def shares_and_a_rented_pair(milli: tuple[int, ...]):
+    """A 2-GPU job on a rented 2-GPU instance. Owned node-a: shares of `milli` on GPU 0, GPU 1 free.
+    Owned node-b<k>, one per share: GPU 0 whole and free, GPU 1 taken by a job that cannot move, and
+    CPU for one share only. The pair comes home only if every share moves off node-a's GPU 0, each
+    onto a whole GPU of its own."""
+    helpers = [f"node-b{k}" for k in range(len(milli))]
+    nodes = [rented("i-1", jobs=2, gpus=2), gpu_node("node-a", gpus=2, used={0: sum(milli)})]
+    nodes += [gpu_node(name, gpus=2, used={1: 1000}, free_cpu=1000) for name in helpers]
+    running = [multi("pair", "i-1", (0, 1))] + [share(f"s{k}", "node-a", m) for k, m in enumerate(milli)]
+    running += [multi(f"pinned{k}", name, (1,), checkpointable=False) for k, name in enumerate(helpers)]
+    return snapshot(nodes, running=running)
+
+
+def test_a_rented_job_comes_home_when_its_moves_split_no_more_owned_gpus_than_before():
+    # The share leaves node-a's split GPU 0 (the pair takes it whole) and splits node-b0's: one for one.
+    snap = shares_and_a_rented_pair((600,))
+    plan = schedule(snap, POLICY)
+    assert moves(plan) == [("pair", "i-1", "node-a", "cheaper"), ("s0", "node-a", "node-b0", "defragmentation")]
+    assert plan_violations(snap, plan) == []
+
+
+def test_no_home_coming_that_splits_more_owned_gpus_than_before():
+    # Two shares of one GPU would each split a whole GPU elsewhere (CPU for one share per node): one
+    # split GPU becomes two, with slivers few jobs can use, so the rented pair stays where it is.
+    assert schedule(shares_and_a_rented_pair((500, 400)), POLICY).migrations == ()
