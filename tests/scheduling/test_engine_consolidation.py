@@ -19,12 +19,14 @@ def rented(node_id: str, jobs: int, gpus: int = 8, price: float = 4.0):
                     used={g: 1000 for g in range(jobs)})
 
 
-def running(job_id: str, node_id: str, gpu: int, run_s: float = 3600.0, hours: float = 8.0, **fields):
+def running(job_id: str, node_id: str, gpu: int, run_s: float = 3600.0, hours: float = 8.0, milli: int = 1000,
+            **fields):
+    """A running job on one GPU of a node (`milli` of it: below 1000, a share)."""
     fields.setdefault("checkpointable", True)
     fields.setdefault("preemptible", True)
-    return RunningAllocation(job_id, node_id, (gpu,), tenant="acme", run_seconds=run_s, checkpoint_age_s=60.0,
-                             restart_cost_s=120.0, cpu_milli=1000, memory_mb=1024,
-                             demand=job(job_id, expected_duration_hours=hours), **fields)
+    return RunningAllocation(job_id, node_id, (gpu,), tenant="acme", gpu_milli=milli, run_seconds=run_s,
+                             checkpoint_age_s=60.0, restart_cost_s=120.0, cpu_milli=1000, memory_mb=1024,
+                             demand=job(job_id, gpu_milli=milli, expected_duration_hours=hours), **fields)
 
 
 def moves(plan):
@@ -148,14 +150,6 @@ def test_the_validator_lets_a_move_land_only_on_gpus_a_move_listed_before_it_lea
     assert "big: GPU 0 on node-a over-allocated or unhealthy" in out_of_order
 
 
-
-def share(job_id: str, node_id: str, milli: int) -> RunningAllocation:
-    return RunningAllocation(job_id, node_id, (0,), tenant="acme", gpu_milli=milli, run_seconds=3600.0,
-                             checkpoint_age_s=60.0, restart_cost_s=120.0, cpu_milli=1000, memory_mb=1024,
-                             checkpointable=True, preemptible=True,
-                             demand=job(job_id, gpu_milli=milli, expected_duration_hours=8.0))
-
-
 def shares_and_a_rented_pair(milli: tuple[int, ...]):
     """A 2-GPU job on a rented 2-GPU instance. Owned node-a: shares of `milli` on GPU 0, GPU 1 free.
     Owned node-b<k>, one per share: GPU 0 whole and free, GPU 1 taken by a job that cannot move, and
@@ -164,9 +158,9 @@ def shares_and_a_rented_pair(milli: tuple[int, ...]):
     helpers = [f"node-b{k}" for k in range(len(milli))]
     nodes = [rented("i-1", jobs=2, gpus=2), gpu_node("node-a", gpus=2, used={0: sum(milli)})]
     nodes += [gpu_node(name, gpus=2, used={1: 1000}, free_cpu=1000) for name in helpers]
-    running = [multi("pair", "i-1", (0, 1))] + [share(f"s{k}", "node-a", m) for k, m in enumerate(milli)]
-    running += [multi(f"pinned{k}", name, (1,), checkpointable=False) for k, name in enumerate(helpers)]
-    return snapshot(nodes, running=running)
+    jobs = [multi("pair", "i-1", (0, 1))] + [running(f"s{k}", "node-a", 0, milli=m) for k, m in enumerate(milli)]
+    jobs += [multi(f"pinned{k}", name, (1,), checkpointable=False) for k, name in enumerate(helpers)]
+    return snapshot(nodes, running=jobs)
 
 
 def test_a_rented_job_comes_home_when_its_moves_split_no_more_owned_gpus_than_before():
