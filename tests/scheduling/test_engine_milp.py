@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine_factories import gpu_node, job, offer, snapshot
+from engine_factories import DETERMINISM_LIMIT_S, gpu_node, job, offer, snapshot
 from scheduling.capacity import NodeCapacity
 from scheduling.engine import schedule
 from scheduling.exact import optimality_gap
@@ -109,8 +109,7 @@ def test_aggregation_groups_identical_nodes_and_maps_back_deterministically():
     snap = snapshot(nodes, pending)
     problem = build_problem(snap, Policy())
     assert sorted(t.count for t in problem.targets if t.kind == "node") == [1, 5, 20]
-    # A limit this cycle never reaches, so the comparison does not depend on the machine's load.
-    policy = Policy(method="milp", preemption=False, defragmentation=False, time_limit_s=30.0)
+    policy = Policy(method="milp", preemption=False, defragmentation=False, time_limit_s=DETERMINISM_LIMIT_S)
     first = schedule(snap, policy)
     second = schedule(snap, policy)
     assert first.placements == second.placements

@@ -7,16 +7,13 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_factories import budget, gpu_node, job, offer, snapshot
+from engine_factories import DETERMINISM_LIMIT_S, budget, gpu_node, job, offer, snapshot
 from scheduling.engine import schedule
 from scheduling.model import Plan, Policy, RunningAllocation
 from scheduling.validate import plan_violations
 
-# A limit these small snapshots come nowhere near: how much of the MILP runs depends on the clock
-# (test_quota_properties.py says how that was seen), and the determinism checks are about the
-# engine's logic, not the machine's load.
-ROOMY_S = 30.0
-POLICIES = [Policy(time_limit_s=ROOMY_S), Policy(method="greedy"), Policy(method="milp", time_limit_s=ROOMY_S)]
+POLICIES = [Policy(time_limit_s=DETERMINISM_LIMIT_S), Policy(method="greedy"),
+            Policy(method="milp", time_limit_s=DETERMINISM_LIMIT_S)]
 
 
 @st.composite
@@ -109,7 +106,7 @@ def test_plans_are_safe_explained_and_deterministic(snap, policy):
 @settings(max_examples=15, deadline=None)
 @given(snapshots())
 def test_input_order_does_not_change_the_plan(snap):
-    policy = Policy(time_limit_s=ROOMY_S)
+    policy = Policy(time_limit_s=DETERMINISM_LIMIT_S)
     shuffled = replace(snap, nodes=tuple(reversed(snap.nodes)), pending=tuple(reversed(snap.pending)),
                        offers=tuple(reversed(snap.offers)))
     assert comparable(schedule(shuffled, policy)) == comparable(schedule(snap, policy))

@@ -16,7 +16,7 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_factories import gpu_node, job, snapshot
+from engine_factories import DETERMINISM_LIMIT_S, gpu_node, job, snapshot
 from scheduling.engine import schedule
 from scheduling.model import Policy, QuotaShare, ReasonCode, RunningAllocation
 from scheduling.validate import plan_violations
@@ -55,13 +55,7 @@ def worlds(draw, one_gpu_only: bool = False):
     pending = [job(f"p{i}", gpus=draw(st.sampled_from(sizes)), tenant=draw(st.sampled_from(TEAMS)),
                    submitted_at=float(i), preemptible=True if one_gpu_only else draw(st.booleans()))
                for i in range(draw(st.integers(1, 16)))]
-    # A limit these small worlds come nowhere near (each cycle takes milliseconds). The engine's
-    # answer depends on the clock by design: after phase two the full MILP runs only if the time left
-    # is over four times what phase two took. Starved of CPU (a 2 s limit, six busy loops beside the
-    # test), one world took three paths on three runs (the full MILP; phase two's answer alone;
-    # phase two out of time, the LP rounded) and placed three different sets of jobs. The check
-    # below is about the engine's logic, not the machine's load.
-    policy = Policy(time_limit_s=30.0, defragmentation=False, consolidation=False,
+    policy = Policy(time_limit_s=DETERMINISM_LIMIT_S, defragmentation=False, consolidation=False,
                     borrowing=True if one_gpu_only else draw(st.booleans()),
                     fair_share=draw(st.booleans()))
     return snapshot(nodes, pending, running=running, quotas=tuple(quotas)), policy
