@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bench import placement_check
 from bench.derive import DERIVATIONS, derive
 from bench.leftover import leftover, leftover_table, mean_leftover
 from bench.loaders import read_nodes, read_tasks
@@ -94,6 +95,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--placements-policy", default="whalezen-online",
                    help="whose placements --placements-out writes: an online policy or whalezen-broker "
                         "(its final positions, after migrations)")
+    p.add_argument("--check-placements", action="store_true",
+                   help="replay every seed's final placements of every policy but whalezen-batch with "
+                        "bench.placement_check (the list read afresh from the CSVs) and check that they hold "
+                        "the run's final allocation; stops with an error on the first that fails")
     p.add_argument("--curve", action="store_true",
                    help="print the mean allocation at every integer point from --curve-from to the target")
     p.add_argument("--curve-from", type=int, default=50)
@@ -148,6 +153,25 @@ def write_placements(path: str, run: ProtocolRun, names: list[str]) -> None:
             w.writerow([task, names[node], ";".join(str(g) for g in gpus)])
 
 
+def check_placements(args: argparse.Namespace, seed: int, run: ProtocolRun, names: list[str],
+                     total_gpu_milli: int) -> int:
+    """Rows of ``run``'s final placements that bench.placement_check accepted; SystemExit when it refuses them
+    or when they hold another allocation than the run reports at its end."""
+    nodes, tasks = placement_check.load_list(args.nodes, args.pods, args.derive, seed)
+    rows = [{"name": task, "node": names[node], "gpus": ";".join(str(g) for g in gpus)}
+            for task, node, gpus in run.placements]
+    try:
+        count = placement_check.check(nodes, tasks, rows)
+    except ValueError as e:
+        raise SystemExit(f"placement check failed (seed {seed}): {e}") from e
+    held = placement_check.allocated_milli(tasks, rows)
+    reported = float(run.alloc_pct[-1]) * total_gpu_milli / 100
+    if abs(held - reported) > 0.5:
+        raise SystemExit(f"placement check failed (seed {seed}): the placements hold {held} GPU milli, "
+                         f"the run reports {reported:.0f} at its end")
+    return count
+
+
 def published_curves(path: str, pods: str) -> dict[str, dict[int, float]]:
     """Mean published curve per policy for the task list named like ``pods``."""
     workload = Path(pods).stem
@@ -197,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     bounds: list[float] = []
     bounds100: list[float] = []
     leftovers: dict[str, list[dict]] = {n: [] for n in names}
+    checked_rows: dict[str, int] = {n: 0 for n in names if n != BATCH}
     for i in range(args.seeds):
         seed = args.first_seed + i
         # A derived list is drawn per seed (only `constrained` on a list naming no model uses the
@@ -223,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 policy = make_policy(name, workload, lookahead_powers=args.lookahead_power,
                                      tasks=seed_tasks, home_weight=args.home_weight,
                                      stranding_alpha=args.stranding_alpha)
-                run = run_online(cluster, arrivals, policy, rng, record or args.leftover)
+                run = run_online(cluster, arrivals, policy, rng, record or args.leftover or args.check_placements)
             seconds[name] += time.perf_counter() - t0
             runs[name].append(run)
             if args.leftover:
@@ -231,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     (by_name[task], node, gpus) for task, node, gpus in run.placements)))
             if record:
                 write_placements(args.placements_out, run, cluster.names)
+            if args.check_placements and name != BATCH:
+                checked_rows[name] += check_placements(args, seed, run, cluster.names, cluster.total_gpu_milli)
         if not args.no_bound:
             bounds.append(allocation_upper_bound(nodes, arrivals))
             demand = np.cumsum([t.total_milli for t in arrivals])
@@ -259,6 +286,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             result["policies"][n]["behind_fgd_at"] = behind(curves[n], curves["fgd"], points)
         if args.leftover:
             result["policies"][n]["leftover"] = mean_leftover(leftovers[n])
+        if args.check_placements and n in checked_rows:
+            # every seed's end state passed bench.placement_check; rows summed over the seeds
+            result["policies"][n]["placements_checked"] = {"seeds": args.seeds, "rows": checked_rows[n]}
     print(f"{'policy':<18}{'alloc@100':>10}{'alloc@130':>10}{'unalloc GPUs':>14}{'s/seed':>8}")
     for n in names:
         s = result["policies"][n]

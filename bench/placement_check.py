@@ -59,6 +59,21 @@ def check(nodes: Sequence[NodeSpec], tasks: Sequence[TaskSpec], rows: Iterable[d
     return count
 
 
+def allocated_milli(tasks: Sequence[TaskSpec], rows: Iterable[dict[str, str]]) -> int:
+    """GPU milli the rows hold (each task's share times its GPU count), to compare with a run's own figure."""
+    by_task = {t.name: t for t in tasks}
+    return sum(by_task[r["name"].split("#")[0]].total_milli for r in rows)
+
+
+def load_list(nodes_path: str, pods_path: str, kind: str | None, seed: int) -> tuple[list[NodeSpec], list[TaskSpec]]:
+    """The cluster and the task list of ``seed`` read afresh from the CSVs (derived as bench.derive does)."""
+    nodes = read_nodes(nodes_path)
+    tasks = read_tasks(pods_path)
+    if kind:
+        tasks = derive(tasks, kind, nodes, np.random.default_rng([seed, 2]))
+    return list(nodes), list(tasks)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.placement_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", required=True)
@@ -67,10 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=42, help="the seed the placements are of (the run's first seed)")
     p.add_argument("--placements", required=True)
     args = p.parse_args(argv)
-    nodes = read_nodes(args.nodes)
-    tasks = read_tasks(args.pods)
-    if args.derive:
-        tasks = derive(tasks, args.derive, nodes, np.random.default_rng([args.seed, 2]))
+    nodes, tasks = load_list(args.nodes, args.pods, args.derive, args.seed)
     with open(args.placements, newline="") as f:
         n = check(nodes, tasks, csv.DictReader(f))
     print(f"{n} placements: no over-allocation, every model constraint kept")

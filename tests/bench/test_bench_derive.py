@@ -154,6 +154,44 @@ def test_engine_broker_placements_on_a_derived_list_pass_the_check(
                                  "--placements", str(placements)]) == len(rows)
 
 
+def test_check_placements_replays_every_seed_of_every_policy(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    npath, ppath = write_data(tmp_path)
+    result = fragmentation.main(["--nodes", str(npath), "--pods", str(ppath), "--derive", "constrained", "--seeds",
+                                 "3", "--policies", "whalezen-broker,fgd,whalezen-batch", "--broker-every", "5",
+                                 "--no-bound", "--json", "--check-placements"])
+    capsys.readouterr()
+    pols = result["policies"]
+    # whalezen-batch records no placements, so it is the one policy left unchecked
+    assert "placements_checked" not in pols["whalezen-batch"]
+    for name in ("whalezen-broker", "fgd"):
+        checked = pols[name]["placements_checked"]
+        # three seeds' end states, each with tasks placed, all accepted (a refusal stops the run)
+        assert checked["seeds"] == 3 and checked["rows"] >= 3
+
+
+@pytest.mark.parametrize("corrupt", ["twice", "allocation"])
+def test_check_placements_stops_on_placements_that_do_not_hold_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, corrupt: str) -> None:
+    from scheduling.sim import protocol
+
+    real = protocol.run_online
+
+    def broken(*args, **kwargs):
+        run = real(*args, **kwargs)
+        if corrupt == "twice":  # a task placed twice: the checker's own rule
+            run.placements.append(run.placements[0])
+        else:  # the run reports more allocated than its placements hold
+            run.alloc_pct[-1] += 1.0
+        return run
+
+    monkeypatch.setattr(fragmentation, "run_online", broken)
+    npath, ppath = write_data(tmp_path)
+    with pytest.raises(SystemExit, match="placement check failed \\(seed 42\\)"):
+        fragmentation.main(["--nodes", str(npath), "--pods", str(ppath), "--seeds", "1", "--policies", "fgd",
+                            "--no-bound", "--check-placements"])
+
+
 def test_whalezen_batch_placements_are_refused(tmp_path: Path) -> None:
     npath, ppath = write_data(tmp_path)
     with pytest.raises(SystemExit):
