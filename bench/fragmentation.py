@@ -31,7 +31,7 @@ from bench.loaders import read_nodes, read_tasks
 from bench.plots import pyplot, save
 from scheduling.fragmentation import workload_from_tasks
 from scheduling.sim.broker import run_broker
-from scheduling.sim.cluster import MILLI, ArrayCluster, TaskSpec
+from scheduling.sim.cluster import MILLI, ArrayCluster, NodeSpec, TaskSpec
 from scheduling.sim.protocol import ProtocolRun, build_arrivals, run_online
 from scheduling.sim.registry import ONLINE_POLICIES, make_policy
 from scheduling.sim.upper_bound import allocation_upper_bound
@@ -145,21 +145,26 @@ def curve_table(curves: dict[str, dict[int, float]], names: list[str], points: r
     return "\n".join(lines)
 
 
+def placement_rows(run: ProtocolRun, names: list[str]) -> list[dict[str, str]]:
+    """``run``'s placements as the rows of the CSV that bench.placement_check reads (name, node, gpus)."""
+    return [{"name": task, "node": names[node], "gpus": ";".join(str(g) for g in gpus)}
+            for task, node, gpus in run.placements]
+
+
 def write_placements(path: str, run: ProtocolRun, names: list[str]) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["name", "node", "gpus"])
-        for task, node, gpus in run.placements:
-            w.writerow([task, names[node], ";".join(str(g) for g in gpus)])
+        w = csv.DictWriter(f, fieldnames=["name", "node", "gpus"])
+        w.writeheader()
+        w.writerows(placement_rows(run, names))
 
 
-def check_placements(args: argparse.Namespace, seed: int, run: ProtocolRun, names: list[str],
-                     total_gpu_milli: int) -> int:
-    """Rows of ``run``'s final placements that bench.placement_check accepted; SystemExit when it refuses them
-    or when they hold another allocation than the run reports at its end."""
-    nodes, tasks = placement_check.load_list(args.nodes, args.pods, args.derive, seed)
-    rows = [{"name": task, "node": names[node], "gpus": ";".join(str(g) for g in gpus)}
-            for task, node, gpus in run.placements]
+def check_placements(listed: tuple[list[NodeSpec], list[TaskSpec]], seed: int, run: ProtocolRun,
+                     names: list[str], total_gpu_milli: int) -> int:
+    """Rows of ``run``'s final placements that bench.placement_check accepted against ``listed`` (the
+    seed's cluster and list as placement_check.load_list reads them); SystemExit when it refuses them or
+    when they hold another allocation than the run reports at its end."""
+    nodes, tasks = listed
+    rows = placement_rows(run, names)
     try:
         count = placement_check.check(nodes, tasks, rows)
     except ValueError as e:
@@ -232,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         arrivals: list[TaskSpec] = build_arrivals(seed_tasks, cluster.total_gpu_milli,
                                                   np.random.default_rng(seed), args.target)
         by_name = {t.name: t for t in arrivals} if args.leftover else {}  # --leftover: each placed task's demand
+        # --check-placements: the seed's list read afresh from the CSVs, once for all the policies
+        listed = (placement_check.load_list(args.nodes, args.pods, args.derive, seed)
+                  if args.check_placements else None)
         for name in names:
             rng = np.random.default_rng([seed, 1])
             t0 = time.perf_counter()
@@ -248,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 policy = make_policy(name, workload, lookahead_powers=args.lookahead_power,
                                      tasks=seed_tasks, home_weight=args.home_weight,
                                      stranding_alpha=args.stranding_alpha)
-                run = run_online(cluster, arrivals, policy, rng, record or args.leftover or args.check_placements)
+                run = run_online(cluster, arrivals, policy, rng,
+                                 record or args.leftover or args.check_placements)
             seconds[name] += time.perf_counter() - t0
             runs[name].append(run)
             if args.leftover:
@@ -256,8 +265,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     (by_name[task], node, gpus) for task, node, gpus in run.placements)))
             if record:
                 write_placements(args.placements_out, run, cluster.names)
-            if args.check_placements and name != BATCH:
-                checked_rows[name] += check_placements(args, seed, run, cluster.names, cluster.total_gpu_milli)
+            if listed is not None and name in checked_rows:
+                checked_rows[name] += check_placements(listed, seed, run, cluster.names,
+                                                       cluster.total_gpu_milli)
         if not args.no_bound:
             bounds.append(allocation_upper_bound(nodes, arrivals))
             demand = np.cumsum([t.total_milli for t in arrivals])

@@ -65,7 +65,8 @@ def allocated_milli(tasks: Sequence[TaskSpec], rows: Iterable[dict[str, str]]) -
     return sum(by_task[r["name"].split("#")[0]].total_milli for r in rows)
 
 
-def load_list(nodes_path: str, pods_path: str, kind: str | None, seed: int) -> tuple[list[NodeSpec], list[TaskSpec]]:
+def load_list(nodes_path: str, pods_path: str, kind: str | None,
+              seed: int) -> tuple[list[NodeSpec], list[TaskSpec]]:
     """The cluster and the task list of ``seed`` read afresh from the CSVs (derived as bench.derive does)."""
     nodes = read_nodes(nodes_path)
     tasks = read_tasks(pods_path)

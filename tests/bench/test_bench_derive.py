@@ -157,9 +157,9 @@ def test_engine_broker_placements_on_a_derived_list_pass_the_check(
 def test_check_placements_replays_every_seed_of_every_policy(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     npath, ppath = write_data(tmp_path)
-    result = fragmentation.main(["--nodes", str(npath), "--pods", str(ppath), "--derive", "constrained", "--seeds",
-                                 "3", "--policies", "whalezen-broker,fgd,whalezen-batch", "--broker-every", "5",
-                                 "--no-bound", "--json", "--check-placements"])
+    result = fragmentation.main(["--nodes", str(npath), "--pods", str(ppath), "--derive", "constrained",
+                                 "--seeds", "3", "--policies", "whalezen-broker,fgd,whalezen-batch",
+                                 "--broker-every", "5", "--no-bound", "--json", "--check-placements"])
     capsys.readouterr()
     pols = result["policies"]
     # whalezen-batch records no placements, so it is the one policy left unchecked
